@@ -1,0 +1,119 @@
+"""Attention over the paged KV pool, plugged into transformers' AttentionInterface.
+
+transformers computes q/k/v and rotary embeddings; this function writes the
+step's new keys and values into the pool and attends over each sequence's
+blocks. A step packs every scheduled token into one row `[1, T]`: first the
+decode tokens (one query each), then the prefill chunks. All decodes are
+served by one batched SDPA call over their gathered blocks with a length mask,
+so no Python loop runs per decode sequence; prefill chunks, few and large, get
+one SDPA call each. Step-wide metadata (slots, gather indices, masks) is built
+once per step by the model runner and reused by every layer.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from pdrt.engine.kv_pool import KVPool
+
+ATTENTION_NAME = "pdrt_paged"
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One prefill chunk of one sequence inside the packed step."""
+
+    start: int  # first row of the chunk in the packed step
+    end: int
+    context_len: int  # tokens of this sequence already in the pool before the chunk
+    block_ids: torch.Tensor | None  # blocks covering context + chunk; None when context_len == 0
+    mask: torch.Tensor | None  # [chunk, context + chunk] causal mask shifted by context_len
+
+
+class GatherWorkspace:
+    """Reusable buffers for gathered blocks; fresh large allocations each layer would page-fault."""
+
+    def __init__(self, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.row_numel, self.dtype, self.device = row_numel, dtype, device
+        self.k = torch.empty(0, row_numel, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    def buffers(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if num_rows > self.k.shape[0]:
+            rows = 1 << (num_rows - 1).bit_length()
+            self.k = torch.empty(rows, self.row_numel, dtype=self.dtype, device=self.device)
+            self.v = torch.empty_like(self.k)
+        return self.k[:num_rows], self.v[:num_rows]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    pool: KVPool
+    workspace: GatherWorkspace
+    slot_mapping: torch.Tensor  # [T] pool slot of each packed token
+    num_decodes: int
+    decode_block_ids: torch.Tensor  # [num_decodes * decode_max_blocks], padded with block 0
+    decode_max_blocks: int
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_max_blocks * block_size]
+    prefills: list[PrefillSpan]
+
+
+def _gather(meta: AttentionMetadata, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    k_buf, v_buf = meta.workspace.buffers(block_ids.numel())
+    torch.index_select(meta.pool.k_blocks[layer], 0, block_ids, out=k_buf)
+    torch.index_select(meta.pool.v_blocks[layer], 0, block_ids, out=v_buf)
+    return k_buf, v_buf
+
+
+def _decode_attention(meta: AttentionMetadata, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    layout = meta.pool.layout
+    b, kvh, d = meta.num_decodes, layout.num_kv_heads, layout.head_dim
+    num_heads = query.shape[1]
+    k_buf, v_buf = _gather(meta, layer, meta.decode_block_ids)
+    length = meta.decode_max_blocks * layout.block_size
+    k = k_buf.view(b, length, kvh, d).transpose(1, 2)
+    v = v_buf.view(b, length, kvh, d).transpose(1, 2)
+    # The query heads that share a KV head become that head's query rows, so
+    # grouped-query attention needs no copy of K or V.
+    q = query[0, :, :b].transpose(0, 1).reshape(b, kvh, num_heads // kvh, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+    return out.reshape(b, num_heads, d)
+
+
+def _prefill_attention(meta: AttentionMetadata, layer: int, span: PrefillSpan, query: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    q = query[:, :, span.start : span.end]
+    if span.block_ids is None:
+        k, v = key[:, :, span.start : span.end], value[:, :, span.start : span.end]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        layout = meta.pool.layout
+        total = span.context_len + span.end - span.start
+        k_buf, v_buf = _gather(meta, layer, span.block_ids)
+        k = k_buf.view(1, -1, layout.num_kv_heads, layout.head_dim)[:, :total].transpose(1, 2)
+        v = v_buf.view(1, -1, layout.num_kv_heads, layout.head_dim)[:, :total].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scaling, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention hook: query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`."""
+    meta: AttentionMetadata = kwargs["pdrt_attention"]
+    layer = module.layer_idx
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    meta.pool.k_slots[layer].index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    meta.pool.v_slots[layer].index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode_attention(meta, layer, query, scaling)
+    for span in meta.prefills:
+        out[span.start : span.end] = _prefill_attention(meta, layer, span, query, key, value, scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

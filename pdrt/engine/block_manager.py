@@ -1,0 +1,132 @@
+"""Paged KV block bookkeeping: allocation, reference counts and the prefix cache."""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdrt.engine.prefix_hash import ROOT_PARENT, block_key
+from pdrt.engine.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: int | None = None  # prefix-cache key once the block is full and registered
+    parent: int = ROOT_PARENT
+    token_ids: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    """Owns which pool block belongs to which sequence.
+
+    A full block is registered in the prefix cache under its chained key.
+    Freed blocks keep their key (lazy eviction) and go to the back of an LRU
+    free list; a later request with the same prefix takes them back, and only
+    reuse for other tokens evicts them. A hit is confirmed by comparing the
+    stored parent key and token ids, so a hash collision cannot alias KV.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_seed: int) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # key -> block id
+        self.num_prefix_hits = 0
+        self.num_prefix_queries = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self) -> Block:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None and self.cached.get(block.key) == block_id:
+            del self.cached[block.key]
+        block.key = None
+        block.token_ids = []
+        block.ref_count = 1
+        return block
+
+    def _lookup(self, parent: int, token_ids: list[int]) -> tuple[int, Block | None]:
+        key = block_key(parent, token_ids, self.hash_seed)
+        block_id = self.cached.get(key)
+        if block_id is None:
+            return key, None
+        block = self.blocks[block_id]
+        if block.parent != parent or block.token_ids != token_ids:
+            return key, None
+        return key, block
+
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> None:
+        """Attach cached blocks for the longest cached prefix of `seq`'s first `max_tokens` tokens.
+
+        Only called on a sequence that holds no blocks yet. Sets
+        `num_computed_tokens` to the tokens covered by the hits.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = ROOT_PARENT
+        for start in range(0, max_tokens - bs + 1, bs):
+            chunk = seq.token_ids[start : start + bs]
+            key, block = self._lookup(parent, chunk)
+            self.num_prefix_queries += 1
+            if block is None:
+                break
+            self.num_prefix_hits += 1
+            if block.ref_count == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            seq.block_hashes.append(key)
+            parent = key
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_blocks)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give `seq` enough blocks to hold `num_new_tokens` more tokens."""
+        for _ in range(self.num_new_blocks(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free().block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT
+            token_ids = seq.token_ids[i * bs : (i + 1) * bs]
+            key = block_key(parent, token_ids, self.hash_seed)
+            block = self.blocks[seq.block_table[i]]
+            block.key, block.parent, block.token_ids = key, parent, token_ids
+            # A block with equal content may already be cached (two requests
+            # computed the same prefix at once); keep the first, both stay valid.
+            self.cached.setdefault(key, block.block_id)
+            seq.block_hashes.append(key)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Tail blocks are freed first so the LRU evicts them first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []

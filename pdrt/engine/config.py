@@ -1,0 +1,52 @@
+"""Engine configuration: one small dataclass, validated once."""
+
+from dataclasses import dataclass
+
+from pdrt.errors import InvalidRequestError
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What one engine (one model replica) needs to know.
+
+    The KV pool is sized by `num_blocks` when given, else by
+    `kv_cache_memory_bytes`. `max_model_len` defaults to the model's context.
+    `hash_seed` keys the prefix-cache hash; every process that exchanges KV
+    must use the same value.
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk_size: int = 512
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_prefill_chunk_size": self.max_prefill_chunk_size,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {value}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")

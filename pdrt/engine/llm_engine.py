@@ -1,0 +1,265 @@
+"""The engine of one worker: a model replica, its paged KV pool, a scheduler and a sampler.
+
+Three ways in, one per kind of worker:
+
+* colocated: `add_request`, then `step` until `has_unfinished` is False;
+* prefill-only: `add_prefill` (and `extend_prefill` as more of the prompt
+  arrives), `step`; the output carrying the first token also carries the
+  block ids of the prompt KV, kept until `release`;
+* decode from imported KV: `reserve_import` returns the blocks to fill,
+  `commit_import` starts decoding after the first token.
+"""
+
+import random
+
+import torch
+
+from pdrt.engine.block_manager import BlockManager
+from pdrt.engine.config import EngineConfig
+from pdrt.engine.detokenizer import IncrementalDetokenizer
+from pdrt.engine.kv_pool import KVLayout, KVPool
+from pdrt.engine.model_loader import LoadedModel, load_model
+from pdrt.engine.model_runner import ModelRunner
+from pdrt.engine.outputs import ImportReservation, RequestOutput
+from pdrt.engine.sampler import Sampler
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.engine.scheduler import ScheduledBatch, Scheduler
+from pdrt.engine.sequence import FinishReason, Sequence, SequenceMode, SequenceStatus
+from pdrt.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    KVPoolFullError,
+    PromptTooLongError,
+    RequestTooLargeError,
+    UnknownRequestError,
+)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.device, config.dtype)
+        model_config = self.loaded.model.config
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = int(model_config.vocab_size)
+        self.max_model_len = min(config.max_model_len or self.loaded.context_length, self.loaded.context_length)
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        layout = KVLayout(model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim,
+                          config.block_size, self.loaded.model.dtype)
+        num_blocks = config.num_blocks or layout.num_blocks_for_bytes(config.kv_cache_memory_bytes)
+        if num_blocks < 1:
+            raise InvalidRequestError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
+                                      f"of {layout.bytes_per_block} bytes")
+        self.pool = KVPool(layout, num_blocks, device=config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.hash_seed)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk_size)
+        self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.sampler = Sampler()
+        self.sequences: dict[str, Sequence] = {}
+        self.num_computed_prompt_tokens = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    # -- request creation -------------------------------------------------
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      mode: SequenceMode, prompt_is_final: bool = True) -> Sequence:
+        """Validate a request completely, so that nothing about it can fail later."""
+        if request_id in self.sequences:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt has no tokens")
+        if any(not (0 <= t < self.vocab_size) for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens, including at least one generated token")
+        if params.stop and self.tokenizer is None:
+            raise InvalidSamplingParamsError("stop strings need a tokenizer, and this model has none")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be < {self.vocab_size}")
+        self._check_fits(len(prompt_token_ids) + params.max_tokens)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, mode,
+                       prompt_is_final)
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        return seq
+
+    def _check_fits(self, num_tokens: int) -> None:
+        needed = self.block_manager.num_blocks_for(min(num_tokens, self.max_model_len))
+        if needed > self.block_manager.num_blocks:
+            raise RequestTooLargeError(
+                f"the request may need {needed} KV blocks and this worker's pool has "
+                f"{self.block_manager.num_blocks} ({self.capacity_tokens} tokens); lower max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Colocated: prefill and decode here."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.COLOCATED)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    final: bool = True) -> None:
+        """Prefill-only: compute the prompt KV and the first token, then hold the blocks."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.PREFILL_ONLY, final)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def extend_prefill(self, request_id: str, token_ids: list[int], final: bool = True) -> None:
+        """Append the next piece of a prefill-only prompt; `final` marks the last piece."""
+        seq = self._get(request_id)
+        if seq.mode is not SequenceMode.PREFILL_ONLY or seq.prompt_is_final:
+            raise InvalidRequestError(f"request {request_id!r} is not an unfinished prefill")
+        total = seq.num_tokens + len(token_ids)
+        if any(not (0 <= t < self.vocab_size) for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if total >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt would have {total} tokens; the context is {self.max_model_len}")
+        self._check_fits(total + seq.params.max_tokens)
+        seq.token_ids.extend(token_ids)
+        seq.num_prompt_tokens = total
+        seq.prompt_is_final = final
+        if seq.detokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
+
+    def release(self, request_id: str) -> None:
+        """Free the KV of a held prefill (the decode worker has it now)."""
+        seq = self._get(request_id)
+        if seq.status is not SequenceStatus.HELD:
+            raise InvalidRequestError(f"request {request_id!r} holds no finished prefill")
+        self.block_manager.free(seq)
+        del self.sequences[request_id]
+
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                       params: SamplingParams) -> ImportReservation:
+        """Decode from imported KV: reserve blocks for the prompt; cached prefix blocks need no filling."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.IMPORTED)
+        if not (0 <= first_token_id < self.vocab_size):
+            raise InvalidRequestError(f"first token id must be in [0, {self.vocab_size})")
+        self.block_manager.match_prefix(seq, max_tokens=seq.num_tokens)
+        num_cached_blocks = len(seq.block_table)
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.block_manager.can_allocate(seq, remaining):
+            self.block_manager.free(seq)
+            raise KVPoolFullError(f"no room for {seq.num_tokens} imported tokens "
+                                  f"({self.block_manager.num_free_blocks} free blocks)")
+        self.block_manager.allocate(seq, remaining)
+        seq.token_ids.append(first_token_id)
+        if seq.detokenizer is not None:
+            seq.detokenizer.add(first_token_id)
+        seq.status = SequenceStatus.IMPORTING
+        self.sequences[request_id] = seq
+        return ImportReservation(list(seq.block_table), num_cached_blocks)
+
+    def commit_import(self, request_id: str) -> None:
+        """The reserved blocks now hold the prompt KV: start decoding."""
+        seq = self._get(request_id)
+        if seq.status is not SequenceStatus.IMPORTING:
+            raise InvalidRequestError(f"request {request_id!r} has no import in progress")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.num_emitted_tokens = 1  # the first token was reported by the prefill worker
+        self.scheduler.add_running(seq)
+
+    def abort(self, request_id: str) -> None:
+        """End a request wherever it is and free its blocks. Unknown ids are ignored."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _get(self, request_id: str) -> Sequence:
+        try:
+            return self.sequences[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"no request {request_id!r}") from None
+
+    # -- stepping ---------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass: schedule, run the model, apply the sampled tokens."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sample_seqs = batch.sample_seqs()
+        tokens, logprobs = self.sampler(self.runner.run(batch), sample_seqs)
+        return self._postprocess(batch, sample_seqs, tokens, logprobs)
+
+    def _postprocess(self, batch: ScheduledBatch, sample_seqs: list[Sequence], tokens: list[int],
+                     logprobs: list[float] | None) -> list[RequestOutput]:
+        for seq, n in batch.items():
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for i, seq in enumerate(sample_seqs):
+            seq.token_ids.append(tokens[i])
+            if seq.params.logprobs and logprobs is not None:
+                seq.output_logprobs.append(logprobs[i])
+            self._check_stop(seq)
+            if seq.mode is SequenceMode.PREFILL_ONLY and not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.HELD
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        token = seq.token_ids[-1]
+        reason, stop_reason = None, None
+        if not seq.params.ignore_eos and token in self.loaded.eos_token_ids:
+            reason = FinishReason.STOP
+        elif token in seq.params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif seq.detokenizer is not None:
+            delta = seq.detokenizer.add(token)
+            stop_reason = seq.detokenizer.find_stop(len(delta))
+            if stop_reason is not None:
+                reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        start = seq.num_emitted_tokens
+        seq.num_emitted_tokens = seq.num_output_tokens
+        out = RequestOutput(
+            seq.request_id,
+            seq.output_token_ids[start:],
+            seq.output_logprobs[start:] if seq.params.logprobs else None,
+            finished=seq.is_finished,
+            finish_reason=int(seq.finish_reason) if seq.finish_reason is not None else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            kv_block_ids=list(seq.block_table) if seq.status is SequenceStatus.HELD else None,
+        )
+        if seq.is_finished:
+            del self.sequences[seq.request_id]
+        return out
+
+    # -- convenience ------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run `prompts` to completion together and return each one's output tokens."""
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, params)
+        results: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[request_id] for request_id in ids]

@@ -1,0 +1,54 @@
+"""How one request wants its tokens chosen and when it wants to stop."""
+
+import msgspec
+
+from pdrt.errors import InvalidSamplingParamsError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Sampling parameters, validated at construction and on every decode.
+
+    `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` disable
+    those filters. `seed` makes sampling reproducible: the draw for output
+    token i depends only on (seed, i) and the logits, so a request gives the
+    same tokens whatever batch it lands in, after preemption, and when its
+    prefill and decode run in different processes.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise InvalidSamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidSamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidSamplingParamsError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.max_tokens < 1:
+            raise InvalidSamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidSamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidSamplingParamsError(
+                    f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}"
+                )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParamsError("stop_token_ids must be non-negative")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

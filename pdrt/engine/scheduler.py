@@ -1,0 +1,141 @@
+"""Chooses the work of each engine step and applies its results."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdrt.engine.block_manager import BlockManager
+from pdrt.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work. Decodes (one token each) come first in the packed step, then prefill chunks."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def items(self) -> list[tuple[Sequence, int]]:
+        return [(seq, 1) for seq in self.decodes] + self.prefills
+
+    def sample_seqs(self) -> list[Sequence]:
+        """The sequences that get a new token from this step, in packed order."""
+        return [seq for seq, n in self.items() if seq.needs_sample_after(n)]
+
+
+class Scheduler:
+    """Token-budgeted continuous batching with chunked prefill and preemption by recompute.
+
+    Each step it first serves the running sequences in arrival order: a
+    decode costs one token, an unfinished prompt a chunk of at most
+    `max_prefill_chunk_size`. When the pool has no block for a running
+    sequence, the most recently admitted one is preempted (its blocks freed,
+    its tokens kept, it goes back to the front of the queue to be recomputed).
+    The remaining budget admits waiting sequences, reusing any cached prefix.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk_size: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk_size = max_prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose KV is already in the pool (imported)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        """True when a step would do something (a prompt still arriving is not work yet)."""
+        return bool(self.waiting) or any(self._num_computable(s) > s.num_computed_tokens for s in self.running)
+
+    def _num_computable(self, seq: Sequence) -> int:
+        # An unfinished prompt keeps its last token back, so that the step
+        # that finalizes it always has a token to compute logits from.
+        return seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        n = self._num_computable(seq) - seq.num_computed_tokens
+        return max(0, min(n, self.max_prefill_chunk_size, budget))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _place(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        self.block_manager.allocate(seq, n)
+        if n == 1:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append((seq, n))
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self._place(batch, seq, n)
+                budget -= n
+                i += 1
+                continue
+            break  # `seq` itself was preempted; it was the last running sequence
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
+            n = self._num_new_tokens(seq, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if n:
+                self._place(batch, seq, n)
+                budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq`: take it off the queues and free its blocks."""
+        self.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

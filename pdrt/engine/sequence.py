@@ -1,0 +1,89 @@
+"""One request's whole state inside an engine."""
+
+import enum
+from dataclasses import dataclass, field
+
+from pdrt.engine.detokenizer import IncrementalDetokenizer
+from pdrt.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # queued for (re)scheduling; holds no blocks
+    RUNNING = enum.auto()  # holds blocks, scheduled every step it has work
+    HELD = enum.auto()  # prefill-only and done: blocks kept until released
+    IMPORTING = enum.auto()  # decode-from-imported-KV: blocks reserved, being filled
+    FINISHED = enum.auto()
+
+
+class SequenceMode(enum.Enum):
+    COLOCATED = enum.auto()  # prefill then decode in this engine
+    PREFILL_ONLY = enum.auto()  # stop after the first token and hold the KV
+    IMPORTED = enum.auto()  # prompt KV came from elsewhere; decode only
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the context length
+    ABORT = 3
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Per-request state: tokens, progress, block table, stop detection.
+
+    `token_ids` holds the prompt followed by the outputs. `num_computed_tokens`
+    counts the tokens whose KV is in the pool; the tokens after it are the
+    work left. `prompt_is_final` is False while a prefill-only prompt is still
+    arriving in pieces.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    mode: SequenceMode = SequenceMode.COLOCATED
+    prompt_is_final: bool = True
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def needs_sample_after(self, num_new_tokens: int) -> bool:
+        """True when computing `num_new_tokens` more reaches the end of a final prompt or output."""
+        reaches_end = self.num_computed_tokens + num_new_tokens == len(self.token_ids)
+        return reaches_end and self.prompt_is_final
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget the KV, keep every token."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0

@@ -1,0 +1,59 @@
+"""Every exception pdrt raises on purpose, in one place.
+
+Each carries a stable `code` so that a process boundary (the client protocol,
+the HTTP front) can turn it into a typed error reply without string matching.
+"""
+
+
+class PdrtError(Exception):
+    """Base of all pdrt errors."""
+
+    code = "internal"
+
+
+class InvalidRequestError(PdrtError):
+    """The request itself is wrong; retrying it unchanged fails again."""
+
+    code = "invalid_request"
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    code = "invalid_sampling_params"
+
+
+class PromptTooLongError(InvalidRequestError):
+    code = "prompt_too_long"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request could never fit in this worker's KV pool, even alone."""
+
+    code = "request_too_large"
+
+
+class DuplicateRequestError(InvalidRequestError):
+    code = "duplicate_request"
+
+
+class KVPoolFullError(PdrtError):
+    """No free KV blocks right now; the same request may succeed later."""
+
+    code = "kv_pool_full"
+
+
+class UnknownRequestError(PdrtError):
+    code = "unknown_request"
+
+
+class ModelLoadError(PdrtError):
+    """The checkpoint is missing, unreadable or of an unsupported architecture."""
+
+    code = "model_load"
+
+
+class UnsupportedModelError(ModelLoadError):
+    code = "unsupported_model"
+
+
+class ModelFetchError(PdrtError):
+    code = "model_fetch"

@@ -1,0 +1,1 @@
+"""Tiny real models for tests and benchmarks, built locally in seconds."""

@@ -1,0 +1,73 @@
+"""A tiny random causal LM and a BPE tokenizer trained on local text, saved as a real checkpoint.
+
+Tests and benchmarks need a model that loads through the same code as a real
+one (a safetensors directory with config, tokenizer and chat template) but is
+built without a network in seconds. The tokenizer is trained on the Python
+standard library's own source text, which every machine has.
+"""
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+ARCHITECTURES = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
+}
+
+
+def corpus_text() -> str:
+    """Local, fixed training text: the source of a few standard-library modules."""
+    import argparse
+    import collections
+    import email.message
+    import json as json_module
+    import textwrap
+
+    return "\n".join(inspect.getsource(m) for m in (argparse, collections, email.message, json_module, textwrap))
+
+
+def train_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_text().splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", hidden_size: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                     vocab_size: int = 1024, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+    """Write a random model of `arch` with a trained tokenizer to `out_dir` and return it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size)
+    spec = dict(ARCHITECTURES[arch])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        initializer_range=0.2, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "pdrt_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
+    return out_dir

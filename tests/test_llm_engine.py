@@ -1,0 +1,187 @@
+"""The engine against transformers' generate: batching, chunking, prefix cache, preemption, KV handoff."""
+
+import pytest
+
+from pdrt.engine import FinishReason, SamplingParams
+from pdrt.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    KVPoolFullError,
+    PromptTooLongError,
+    RequestTooLargeError,
+)
+from tests.conftest import MAX_NEW_TOKENS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("chunk", [37, 128])
+def test_greedy_batch_equals_generate_token_for_token(make_engine, references, prompts, arch, chunk):
+    engine = make_engine(arch, max_prefill_chunk_size=chunk, max_num_batched_tokens=300)
+    outputs = engine.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == references[arch].greedy(prompt), f"prompt of {len(prompt)} tokens"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_requests_added_while_others_decode_still_match_generate(make_engine, references, prompts):
+    engine = make_engine(max_prefill_chunk_size=64)
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, prompt = pending.pop()
+            engine.add_request(str(i), prompt, GREEDY)
+            results[str(i)] = []
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)] == references["llama"].greedy(prompt)
+
+
+def test_shared_prefix_computes_only_new_blocks_and_matches_generate(make_engine, references, prompts):
+    engine = make_engine(block_size=16)
+    base = prompts[-1][:300]
+    engine.generate([base], GREEDY)
+    second = base[:290] + prompts[-2][:40]
+    before = engine.num_computed_prompt_tokens
+    engine.add_request("second", second, GREEDY)
+    tokens, cached = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            cached = out.num_cached_tokens
+    assert cached == 288  # 18 full blocks of the 290 shared tokens
+    assert engine.num_computed_prompt_tokens - before == len(second) - 288
+    assert tokens == references["llama"].greedy(second)
+
+
+def test_fully_cached_prompt_still_recomputes_its_last_block(make_engine, references, prompts):
+    engine = make_engine(block_size=16)
+    prompt = prompts[-1][:64]
+    engine.generate([prompt], GREEDY)
+    before = engine.num_computed_prompt_tokens
+    assert engine.generate([prompt], GREEDY) == [references["llama"].greedy(prompt)]
+    assert engine.num_computed_prompt_tokens - before == 16
+
+
+def test_pool_too_small_for_the_batch_preempts_and_still_completes_correctly(make_engine, references, prompts):
+    batch = prompts[8:14]  # 64 to 401 tokens
+    engine = make_engine(num_blocks=40, block_size=16, max_prefill_chunk_size=64)
+    outputs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert output == references["llama"].greedy(prompt)
+    assert engine.block_manager.num_free_blocks == 40
+
+
+def _handoff(prefill, decode, request_id, prompt, params, split):
+    """Prefill `prompt` in two pieces on one engine, move its KV, decode on the other."""
+    prefill.add_prefill(request_id, prompt[:split], params, final=False)
+    while prefill.has_unfinished():
+        assert prefill.step() == []
+    prefill.extend_prefill(request_id, prompt[split:], final=True)
+    first = None
+    while first is None:
+        for out in prefill.step():
+            first = out
+    if first.finished:
+        return first.new_token_ids
+    reservation = decode.reserve_import(request_id, prompt, first.new_token_ids[0], params)
+    todo = list(zip(first.kv_block_ids, reservation.block_ids, strict=True))[reservation.num_cached_blocks :]
+    if todo:
+        src, dst = zip(*todo, strict=True)
+        decode.pool.write_blocks(list(dst), prefill.pool.read_blocks(list(src)))
+    decode.commit_import(request_id)
+    prefill.release(request_id)
+    tokens = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10)])
+def test_prefill_then_imported_decode_equals_colocated(make_engine, references, prompts, params):
+    prefill = make_engine(max_prefill_chunk_size=50)
+    decode = make_engine()
+    colocated = make_engine()
+    chosen = prompts[1:18:3]
+    expected = colocated.generate(chosen, params)
+    for i, prompt in enumerate(chosen):
+        got = _handoff(prefill, decode, f"r{i}", prompt, params, split=max(1, len(prompt) // 2))
+        assert got == expected[i]
+        if params.is_greedy:
+            assert got == references["llama"].greedy(prompt)
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_import_reuses_prefix_blocks_the_decode_worker_already_has(make_engine, prompts):
+    prefill, decode = make_engine(), make_engine()
+    prompt = prompts[-1][:100]
+    _handoff(prefill, decode, "a", prompt, GREEDY, split=50)
+    reservation = decode.reserve_import("b", prompt[:96] + [5, 6], 7, GREEDY)
+    assert reservation.num_cached_blocks == 6
+    decode.abort("b")
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+
+
+def test_import_into_a_full_pool_is_refused_and_changes_nothing(make_engine, prompts):
+    decode = make_engine(num_blocks=70)
+    decode.reserve_import("a", prompts[-1][:1000], 1, GREEDY)
+    free = decode.block_manager.num_free_blocks
+    with pytest.raises(KVPoolFullError):
+        decode.reserve_import("b", prompts[-2][:200], 1, GREEDY)
+    assert decode.block_manager.num_free_blocks == free
+    assert "b" not in decode.sequences
+
+
+def test_max_tokens_and_eos_end_requests_with_their_reasons(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("a", prompts[3], SamplingParams(temperature=0, max_tokens=3))
+    outs = [o for _ in range(10) for o in engine.step()]
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
+    first = engine.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=1))[0][0]
+    engine.add_request("b", prompts[3], SamplingParams(temperature=0, stop_token_ids=[first]))
+    out = engine.step()[0]
+    assert out.finished and out.finish_reason == FinishReason.STOP and out.stop_reason == first
+
+
+def test_abort_frees_every_block(make_engine, prompts):
+    engine = make_engine()
+    for i, prompt in enumerate(prompts[10:16]):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.step()
+    for i in range(6):
+        engine.abort(str(i))
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bad_requests_fail_at_creation_with_typed_errors(make_engine, prompts):
+    engine = make_engine(num_blocks=4, block_size=16, max_model_len=100)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("long", prompts[10], GREEDY)
+    with pytest.raises(RequestTooLargeError):
+        engine.add_request("big", prompts[5], SamplingParams(max_tokens=200))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("oov", [10**6], GREEDY)
+    with pytest.raises(InvalidSamplingParamsError):
+        engine.add_request("bad", prompts[3], SamplingParams(temperature=-1))
+    engine.add_request("ok", prompts[3], GREEDY)
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request("ok", prompts[3], GREEDY)
+    assert list(engine.sequences) == ["ok"]
+
+
+def test_pool_is_sized_by_memory_budget_and_reports_its_capacity(make_engine):
+    engine = make_engine(num_blocks=None, kv_cache_memory_bytes=1 << 20, block_size=16)
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 slots, 2 KV heads of 16 dims, float32
+    assert engine.block_manager.num_blocks == (1 << 20) // bytes_per_block
+    assert engine.capacity_tokens == engine.block_manager.num_blocks * 16
