@@ -108,6 +108,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         scaling = query.shape[-1] ** -0.5
     meta.pool.k_slots[layer].index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     meta.pool.v_slots[layer].index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    if not meta.prefills:
+        return _decode_attention(meta, layer, query, scaling).unsqueeze(0), None
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(meta, layer, query, scaling)

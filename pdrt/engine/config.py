@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pdrt.errors import InvalidRequestError
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass(slots=True)
@@ -26,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    max_prefill_chunk_size: int = 512
+    max_prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     num_threads: int | None = None

@@ -1,6 +1,7 @@
 """The paged KV pool of one worker: one tensor, sliced per layer."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -12,6 +13,12 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, config: Any, block_size: int, dtype: torch.dtype) -> "KVLayout":
+        """The layout of a transformers model config's KV cache."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:

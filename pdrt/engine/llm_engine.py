@@ -46,9 +46,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = int(model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.loaded.context_length, self.loaded.context_length)
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-        layout = KVLayout(model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim,
-                          config.block_size, self.loaded.model.dtype)
+        layout = KVLayout.for_model(model_config, config.block_size, self.loaded.model.dtype)
         num_blocks = config.num_blocks or layout.num_blocks_for_bytes(config.kv_cache_memory_bytes)
         if num_blocks < 1:
             raise InvalidRequestError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
@@ -197,11 +195,13 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, sample_seqs: list[Sequence], tokens: list[int],
                      logprobs: list[float] | None) -> list[RequestOutput]:
+        block_size = self.block_manager.block_size
         for seq, n in batch.items():
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
+                self.block_manager.cache_full_blocks(seq)
         outputs = []
         for i, seq in enumerate(sample_seqs):
             seq.token_ids.append(tokens[i])

@@ -1,0 +1,1 @@
+"""Getting models onto a machine that reaches only a package index."""
