@@ -12,7 +12,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: int | None = None  # prefix-cache key once the block is full and registered
-    parent: int = ROOT_PARENT
+    parent_block: int | None = None  # the block before this one when it was registered
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -23,7 +23,9 @@ class BlockManager:
     Freed blocks keep their key (lazy eviction) and go to the back of an LRU
     free list; a later request with the same prefix takes them back, and only
     reuse for other tokens evicts them. A hit is confirmed by comparing the
-    stored parent key and token ids, so a hash collision cannot alias KV.
+    stored token ids and the parent *block* (the block just matched), not only
+    keys: by induction from the first block, a hit then holds KV computed after
+    exactly this prefix, so even a hash collision cannot alias KV.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_seed: int) -> None:
@@ -52,18 +54,17 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]
-        block.key = None
-        block.token_ids = []
+        block.key, block.parent_block, block.token_ids = None, None, []
         block.ref_count = 1
         return block
 
-    def _lookup(self, parent: int, token_ids: list[int]) -> tuple[int, Block | None]:
+    def _lookup(self, parent: int, parent_block: int | None, token_ids: list[int]) -> tuple[int, Block | None]:
         key = block_key(parent, token_ids, self.hash_seed)
         block_id = self.cached.get(key)
         if block_id is None:
             return key, None
         block = self.blocks[block_id]
-        if block.parent != parent or block.token_ids != token_ids:
+        if block.parent_block != parent_block or block.token_ids != token_ids:
             return key, None
         return key, block
 
@@ -77,10 +78,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent = ROOT_PARENT
+        parent, parent_block = ROOT_PARENT, None
         for start in range(0, max_tokens - bs + 1, bs):
             chunk = seq.token_ids[start : start + bs]
-            key, block = self._lookup(parent, chunk)
+            key, block = self._lookup(parent, parent_block, chunk)
             self.num_prefix_queries += 1
             if block is None:
                 break
@@ -90,7 +91,7 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block.block_id)
             seq.block_hashes.append(key)
-            parent = key
+            parent, parent_block = key, block.block_id
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -115,7 +116,8 @@ class BlockManager:
             token_ids = seq.token_ids[i * bs : (i + 1) * bs]
             key = block_key(parent, token_ids, self.hash_seed)
             block = self.blocks[seq.block_table[i]]
-            block.key, block.parent, block.token_ids = key, parent, token_ids
+            block.key, block.token_ids = key, token_ids
+            block.parent_block = seq.block_table[i - 1] if i else None
             # A block with equal content may already be cached (two requests
             # computed the same prefix at once); keep the first, both stay valid.
             self.cached.setdefault(key, block.block_id)
