@@ -29,7 +29,7 @@ class PrefillSpan:
     end: int
     context_len: int  # tokens of this sequence already in the pool before the chunk
     block_ids: torch.Tensor | None  # blocks covering context + chunk; None when context_len == 0
-    mask: torch.Tensor | None  # [chunk, context + chunk] causal mask shifted by context_len
+    mask: torch.Tensor | None  # additive [chunk, context + chunk] causal mask shifted by context_len
 
 
 class GatherWorkspace:
@@ -37,15 +37,14 @@ class GatherWorkspace:
 
     def __init__(self, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.row_numel, self.dtype, self.device = row_numel, dtype, device
-        self.k = torch.empty(0, row_numel, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.flat = torch.empty(0, dtype=dtype, device=device)
 
     def buffers(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if num_rows > self.k.shape[0]:
-            rows = 1 << (num_rows - 1).bit_length()
-            self.k = torch.empty(rows, self.row_numel, dtype=self.dtype, device=self.device)
-            self.v = torch.empty_like(self.k)
-        return self.k[:num_rows], self.v[:num_rows]
+        """Two contiguous `[num_rows, row_numel]` buffers, for K and V."""
+        numel = num_rows * self.row_numel
+        if 2 * numel > self.flat.numel():
+            self.flat = torch.empty(1 << (2 * numel - 1).bit_length(), dtype=self.dtype, device=self.device)
+        return self.flat[:numel].view(num_rows, -1), self.flat[numel : 2 * numel].view(num_rows, -1)
 
 
 @dataclass(slots=True)
@@ -56,11 +55,13 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_ids: torch.Tensor  # [num_decodes * decode_max_blocks], padded with block 0
     decode_max_blocks: int
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_max_blocks * block_size]
+    decode_mask: torch.Tensor | None  # additive, [num_decodes, 1, 1, decode_max_blocks * block_size]
     prefills: list[PrefillSpan]
 
 
 def _gather(meta: AttentionMetadata, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The given blocks of one layer. (One index_select over a `[2, blocks, ...]` view
+    would gather K and V in one call, but is several times slower on CPU.)"""
     k_buf, v_buf = meta.workspace.buffers(block_ids.numel())
     torch.index_select(meta.pool.k_blocks[layer], 0, block_ids, out=k_buf)
     torch.index_select(meta.pool.v_blocks[layer], 0, block_ids, out=v_buf)

@@ -44,6 +44,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, config.device, config.dtype)
         model_config = self.loaded.model.config
         self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self.vocab_size = int(model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.loaded.context_length, self.loaded.context_length)
         layout = KVLayout.for_model(model_config, config.block_size, self.loaded.model.dtype)
@@ -56,7 +57,7 @@ class LLMEngine:
                                           config.hash_seed)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_size)
-        self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}
         self.num_computed_prompt_tokens = 0
@@ -195,17 +196,14 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, sample_seqs: list[Sequence], tokens: list[int],
                      logprobs: list[float] | None) -> list[RequestOutput]:
-        block_size = self.block_manager.block_size
-        for seq, n in batch.items():
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
-                self.block_manager.cache_full_blocks(seq)
+        for seq in batch.decodes:
+            self._advance(seq, 1)
+        for seq, n in batch.prefills:
+            self._advance(seq, n)
         outputs = []
         for i, seq in enumerate(sample_seqs):
             seq.token_ids.append(tokens[i])
-            if seq.params.logprobs and logprobs is not None:
+            if logprobs is not None and seq.params.logprobs:
                 seq.output_logprobs.append(logprobs[i])
             self._check_stop(seq)
             if seq.mode is SequenceMode.PREFILL_ONLY and not seq.is_finished:
@@ -214,40 +212,51 @@ class LLMEngine:
             outputs.append(self._output(seq))
         return outputs
 
+    def _advance(self, seq: Sequence, n: int) -> None:
+        """`n` more tokens of `seq` are in the pool now; register the blocks they filled."""
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.num_computed_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
+            self.block_manager.cache_full_blocks(seq)
+
     def _check_stop(self, seq: Sequence) -> None:
         token = seq.token_ids[-1]
+        params = seq.params
         reason, stop_reason = None, None
-        if not seq.params.ignore_eos and token in self.loaded.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             reason = FinishReason.STOP
-        elif token in seq.params.stop_token_ids:
+        elif params.stop_token_ids and token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         elif seq.detokenizer is not None:
             delta = seq.detokenizer.add(token)
             stop_reason = seq.detokenizer.find_stop(len(delta))
             if stop_reason is not None:
                 reason = FinishReason.STOP
-        if reason is None and (seq.num_output_tokens >= seq.params.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+        num_tokens = len(seq.token_ids)
+        if reason is None and (num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                               or num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = seq.num_output_tokens
+        start = seq.num_prompt_tokens + seq.num_emitted_tokens
+        seq.num_emitted_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        finished = seq.status is SequenceStatus.FINISHED
         out = RequestOutput(
             seq.request_id,
-            seq.output_token_ids[start:],
-            seq.output_logprobs[start:] if seq.params.logprobs else None,
-            finished=seq.is_finished,
-            finish_reason=int(seq.finish_reason) if seq.finish_reason is not None else None,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            kv_block_ids=list(seq.block_table) if seq.status is SequenceStatus.HELD else None,
+            seq.token_ids[start:],
+            seq.output_logprobs[start - seq.num_prompt_tokens :] if seq.params.logprobs else None,
+            finished,
+            int(seq.finish_reason) if finished else None,
+            seq.stop_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            list(seq.block_table) if seq.status is SequenceStatus.HELD else None,
         )
-        if seq.is_finished:
+        if finished:
             del self.sequences[seq.request_id]
         return out
 

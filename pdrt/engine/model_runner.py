@@ -1,5 +1,7 @@
 """Runs one packed engine step through the transformers model over the paged pool."""
 
+from array import array
+
 import torch
 
 from pdrt.engine.attention import AttentionMetadata, GatherWorkspace, PrefillSpan
@@ -16,17 +18,29 @@ class ModelRunner:
     visible share of a decode step.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_model_len: int) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.tensor.device
+        self.dtype = pool.tensor.dtype
+        # Masked scores get the dtype's most negative value, as in transformers: -inf
+        # would make a fully masked row NaN, and multiplying it by a False mask gives NaN too.
+        self.mask_value = torch.tensor(torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         layout = pool.layout
         self.block_size = layout.block_size
         self.workspace = GatherWorkspace(layout.block_size * layout.num_kv_heads * layout.head_dim,
                                          layout.dtype, self.device)
+        # Sliced for length masks. A decode's padded length may round up past
+        # max_model_len to a whole block.
+        self.columns = torch.arange(max_model_len + self.block_size, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Model inputs `[1, T]` (ids, positions), the rows whose logits to keep, and attention metadata."""
+        """Model inputs `[1, T]` (ids, positions), the rows whose logits to keep, and attention metadata.
+
+        Decode rows are built per sequence; a prefill chunk's positions and
+        slots are computed with tensor ops from its block table, so no Python
+        loop runs per prompt token.
+        """
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -36,7 +50,7 @@ class ModelRunner:
         tables: list[int] = []
         decodes = batch.decodes
         max_blocks = max((len(s.block_table) for s in decodes), default=0)
-        for row, seq in enumerate(decodes):
+        for seq in decodes:
             pos = seq.num_computed_tokens
             table = seq.block_table
             ids.append(seq.token_ids[pos])
@@ -45,46 +59,54 @@ class ModelRunner:
             lengths.append(pos + 1)
             tables.extend(table)
             tables.extend([0] * (max_blocks - len(table)))
-            if seq.needs_sample_after(1):
-                keep.append(row)
+        if len(batch.decode_samples) == len(decodes):
+            keep.extend(range(len(decodes)))
+        else:
+            keep.extend(row for row, seq in enumerate(decodes) if seq.needs_sample_after(1))
         span_info = []
         for seq, n in batch.prefills:
-            ctx, table = seq.num_computed_tokens, seq.block_table
-            start = len(ids)
-            ids.extend(seq.token_ids[ctx : ctx + n])
-            positions.extend(range(ctx, ctx + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, ctx + n))
+            ctx = seq.num_computed_tokens
+            num_blocks = -(-(ctx + n) // bs)
             if seq.needs_sample_after(n):
-                keep.append(start + n - 1)
-            num_blocks = -(-(ctx + n) // bs) if ctx else 0
-            span_info.append((start, n, ctx, len(tables), num_blocks))
-            tables.extend(table[:num_blocks])
-        num_tokens, num_keep, num_decodes = len(ids), len(keep), len(decodes)
-        packed = torch.tensor(ids + positions + slots + keep + lengths + tables, dtype=torch.long,
-                              device=self.device)
-        ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.split(
-            [num_tokens, num_tokens, num_tokens, num_keep, num_decodes, len(tables)])
+                keep.append(len(ids) + n - 1)
+            span_info.append((len(ids), n, ctx, len(tables), num_blocks))
+            ids.extend(seq.token_ids[ctx : ctx + n])
+            tables.extend(seq.block_table[:num_blocks])
+        num_decodes = len(decodes)
+        packed = torch.frombuffer(array("q", ids + positions + slots + keep + lengths + tables), dtype=torch.long)
+        ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
+            [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
         decode_mask = None
         if num_decodes and any(n != max_blocks * bs for n in lengths):
-            cols = torch.arange(max_blocks * bs, device=self.device)
-            decode_mask = (cols < lengths_t.unsqueeze(1)).view(num_decodes, 1, 1, -1)
-        spans = [self._span(start, n, ctx, tables_t[at : at + nb] if ctx else None)
-                 for start, n, ctx, at, nb in span_info]
+            # An additive float mask: SDPA's CPU kernel would convert a boolean one in every layer.
+            padding = self.columns[: max_blocks * bs] >= lengths_t.unsqueeze(1)
+            decode_mask = (padding * self.mask_value).view(num_decodes, 1, 1, -1)
+        spans = []
+        if span_info:
+            all_positions, all_slots = [pos_t], [slots_t]
+            for start, n, ctx, at, num_blocks in span_info:
+                block_ids = tables_t[at : at + num_blocks]
+                all_positions.append(self.columns[ctx : ctx + n])
+                all_slots.append((block_ids.unsqueeze(1) * bs + self.columns[:bs]).view(-1)[ctx : ctx + n])
+                spans.append(self._span(start, n, ctx, block_ids))
+            pos_t, slots_t = torch.cat(all_positions), torch.cat(all_slots)
         meta = AttentionMetadata(self.pool, self.workspace, slots_t, num_decodes,
                                  tables_t[: num_decodes * max_blocks], max_blocks, decode_mask, spans)
         return ids_t.unsqueeze(0), pos_t.unsqueeze(0), keep_t, meta
 
-    def _span(self, start: int, n: int, ctx: int, block_ids: torch.Tensor | None) -> PrefillSpan:
+    def _span(self, start: int, n: int, ctx: int, block_ids: torch.Tensor) -> PrefillSpan:
         if not ctx:
             return PrefillSpan(start, start + n, 0, None, None)
-        rows = torch.arange(n, device=self.device).unsqueeze(1)
-        cols = torch.arange(ctx + n, device=self.device).unsqueeze(0)
-        return PrefillSpan(start, start + n, ctx, block_ids, cols <= rows + ctx)
+        rows = self.columns[:n].unsqueeze(1)
+        cols = self.columns[: ctx + n].unsqueeze(0)
+        return PrefillSpan(start, start + n, ctx, block_ids, (cols > rows + ctx) * self.mask_value)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits `[num_sampled, vocab]` for `batch.sample_seqs()`, in that order."""
         input_ids, positions, keep, meta = self.prepare(batch)
+        if keep.numel() == input_ids.shape[1]:
+            keep = 0  # every row is sampled: transformers keeps them all without an index copy
         out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
                          pdrt_attention=meta)
         return out.logits[0]

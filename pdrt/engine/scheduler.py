@@ -13,6 +13,8 @@ class ScheduledBatch:
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    decode_samples: list[Sequence] = field(default_factory=list)  # decodes that get a new token
+    prefill_samples: list[Sequence] = field(default_factory=list)  # prefills whose last chunk this is
 
     @property
     def is_empty(self) -> bool:
@@ -22,12 +24,9 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
-    def items(self) -> list[tuple[Sequence, int]]:
-        return [(seq, 1) for seq in self.decodes] + self.prefills
-
     def sample_seqs(self) -> list[Sequence]:
         """The sequences that get a new token from this step, in packed order."""
-        return [seq for seq, n in self.items() if seq.needs_sample_after(n)]
+        return self.decode_samples + self.prefill_samples
 
 
 class Scheduler:
@@ -76,7 +75,7 @@ class Scheduler:
         return seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        n = self._num_computable(seq) - seq.num_computed_tokens
+        n = (seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1) - seq.num_computed_tokens
         return max(0, min(n, self.max_prefill_chunk_size, budget))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -87,16 +86,22 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _place(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
-        self.block_manager.allocate(seq, n)
+        """Put `n` tokens of `seq`, whose blocks are allocated, into the batch."""
+        samples = seq.needs_sample_after(n)
         if n == 1:
             batch.decodes.append(seq)
+            if samples:
+                batch.decode_samples.append(seq)
         else:
             batch.prefills.append((seq, n))
+            if samples:
+                batch.prefill_samples.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
+        manager = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -104,13 +109,16 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.block_manager.can_allocate(seq, n):
+            num_new_blocks = manager.num_new_blocks(seq, n)
+            while num_new_blocks > manager.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
+                if num_new_blocks:
+                    manager.allocate(seq, n)
                 self._place(batch, seq, n)
                 budget -= n
                 i += 1
@@ -119,16 +127,17 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                self.block_manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
+                manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
             n = self._num_new_tokens(seq, budget)
-            if not self.block_manager.can_allocate(seq, n):
-                self.block_manager.free(seq)
+            if not manager.can_allocate(seq, n):
+                manager.free(seq)
                 seq.reset_for_recompute()
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if n:
+                manager.allocate(seq, n)
                 self._place(batch, seq, n)
                 budget -= n
         return batch
