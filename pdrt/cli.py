@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import structlog
     from transformers.utils import logging as hf_logging
 
+    # stdout carries answers; logs and progress go to stderr.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)

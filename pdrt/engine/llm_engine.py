@@ -12,6 +12,7 @@ Three ways in, one per kind of worker:
 
 import random
 
+import structlog
 import torch
 
 from pdrt.engine.block_manager import BlockManager
@@ -36,6 +37,9 @@ from pdrt.errors import (
 )
 
 
+log = structlog.get_logger(__name__)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         if config.num_threads is not None:
@@ -53,6 +57,8 @@ class LLMEngine:
             raise InvalidRequestError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
                                       f"of {layout.bytes_per_block} bytes")
         self.pool = KVPool(layout, num_blocks, device=config.device)
+        log.info("kv pool ready", blocks=num_blocks, block_size=config.block_size,
+                 capacity_tokens=self.pool.capacity_tokens, bytes=self.pool.num_bytes, dtype=str(layout.dtype))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.hash_seed)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -41,7 +41,7 @@ class Sampler:
         tokens = logits.max(dim=-1).indices
         random_rows, wants_logprobs = [], False
         for i, s in enumerate(seqs):
-            if s.params.temperature != 0.0:
+            if not s.params.is_greedy:
                 random_rows.append(i)
             wants_logprobs = wants_logprobs or s.params.logprobs
         if random_rows:

@@ -20,10 +20,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
     def sample_seqs(self) -> list[Sequence]:
         """The sequences that get a new token from this step, in packed order."""
         return self.decode_samples + self.prefill_samples
