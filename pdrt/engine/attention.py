@@ -33,7 +33,12 @@ class PrefillSpan:
 
 
 class GatherWorkspace:
-    """Reusable buffers for gathered blocks; fresh large allocations each layer would page-fault."""
+    """Reusable buffers for gathered blocks; fresh large allocations each layer would page-fault.
+
+    The decode group and the prefill spans of a step share it: within a layer
+    the decode gather is used up before any span gathers, and the runner sizes
+    it for the step's largest gather first, so it never moves mid-step.
+    """
 
     def __init__(self, row_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.row_numel, self.dtype, self.device = row_numel, dtype, device
@@ -48,14 +53,37 @@ class GatherWorkspace:
 
 
 @dataclass(slots=True)
+class DecodeGather:
+    """Where the decode group's blocks are gathered each layer, and the SDPA views of them.
+
+    Built once per step: every layer gathers into the same buffers, so the
+    views (and the mask) need no per-layer setup.
+    """
+
+    block_ids: torch.Tensor  # [num_decodes * max_blocks], padded with block 0
+    k_rows: torch.Tensor  # [num_decodes * max_blocks, block numel], the index_select target
+    v_rows: torch.Tensor
+    k: torch.Tensor  # [num_decodes, kv_heads, max_blocks * block_size, head_dim] view of k_rows
+    v: torch.Tensor
+    mask: torch.Tensor | None  # additive [num_decodes, 1, 1, max_blocks * block_size]; None when unpadded
+
+    @classmethod
+    def build(cls, workspace: GatherWorkspace, pool: KVPool, block_ids: torch.Tensor, num_decodes: int,
+              mask: torch.Tensor | None) -> "DecodeGather":
+        layout = pool.layout
+        k_rows, v_rows = workspace.buffers(block_ids.numel())
+        shape = (num_decodes, -1, layout.num_kv_heads, layout.head_dim)
+        return cls(block_ids, k_rows, v_rows, k_rows.view(shape).transpose(1, 2),
+                   v_rows.view(shape).transpose(1, 2), mask)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     pool: KVPool
     workspace: GatherWorkspace
     slot_mapping: torch.Tensor  # [T] pool slot of each packed token
     num_decodes: int
-    decode_block_ids: torch.Tensor  # [num_decodes * decode_max_blocks], padded with block 0
-    decode_max_blocks: int
-    decode_mask: torch.Tensor | None  # additive, [num_decodes, 1, 1, decode_max_blocks * block_size]
+    decode: DecodeGather | None
     prefills: list[PrefillSpan]
 
 
@@ -69,18 +97,17 @@ def _gather(meta: AttentionMetadata, layer: int, block_ids: torch.Tensor) -> tup
 
 
 def _decode_attention(meta: AttentionMetadata, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    layout = meta.pool.layout
-    b, kvh, d = meta.num_decodes, layout.num_kv_heads, layout.head_dim
-    num_heads = query.shape[1]
-    k_buf, v_buf = _gather(meta, layer, meta.decode_block_ids)
-    length = meta.decode_max_blocks * layout.block_size
-    k = k_buf.view(b, length, kvh, d).transpose(1, 2)
-    v = v_buf.view(b, length, kvh, d).transpose(1, 2)
+    gather = meta.decode
+    torch.index_select(meta.pool.k_blocks[layer], 0, gather.block_ids, out=gather.k_rows)
+    torch.index_select(meta.pool.v_blocks[layer], 0, gather.block_ids, out=gather.v_rows)
+    b, kvh = meta.num_decodes, meta.pool.layout.num_kv_heads
+    num_heads, d = query.shape[1], query.shape[3]
     # The query heads that share a KV head become that head's query rows, so
     # grouped-query attention needs no copy of K or V.
-    q = query[0, :, :b].transpose(0, 1).reshape(b, kvh, num_heads // kvh, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
-    return out.reshape(b, num_heads, d)
+    q = query[0] if query.shape[2] == b else query[0, :, :b]
+    q = q.transpose(0, 1).reshape(b, kvh, num_heads // kvh, d)
+    out = F.scaled_dot_product_attention(q, gather.k, gather.v, attn_mask=gather.mask, scale=scaling)
+    return out.view(b, num_heads, d)
 
 
 def _prefill_attention(meta: AttentionMetadata, layer: int, span: PrefillSpan, query: torch.Tensor,

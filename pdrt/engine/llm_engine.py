@@ -36,7 +36,6 @@ from pdrt.errors import (
     UnknownRequestError,
 )
 
-
 log = structlog.get_logger(__name__)
 
 
@@ -81,16 +80,12 @@ class LLMEngine:
             raise DuplicateRequestError(f"request {request_id!r} already exists")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
-        if any(not (0 <= t < self.vocab_size) for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                                     f"{self.max_model_len} tokens, including at least one generated token")
+        num_prompt = len(prompt_token_ids)
+        self._check_prompt(prompt_token_ids, num_prompt, num_prompt + params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidSamplingParamsError("stop strings need a tokenizer, and this model has none")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be < {self.vocab_size}")
-        self._check_fits(len(prompt_token_ids) + params.max_tokens)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, mode,
                        prompt_is_final)
@@ -98,8 +93,14 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         return seq
 
-    def _check_fits(self, num_tokens: int) -> None:
-        needed = self.block_manager.num_blocks_for(min(num_tokens, self.max_model_len))
+    def _check_prompt(self, new_token_ids: list[int], num_prompt_tokens: int, max_total_tokens: int) -> None:
+        """Token ids in the vocabulary, the prompt within the context, the request within the pool."""
+        if any(not (0 <= t < self.vocab_size) for t in new_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens, including at least one generated token")
+        needed = self.block_manager.num_blocks_for(min(max_total_tokens, self.max_model_len))
         if needed > self.block_manager.num_blocks:
             raise RequestTooLargeError(
                 f"the request may need {needed} KV blocks and this worker's pool has "
@@ -124,11 +125,7 @@ class LLMEngine:
         if seq.mode is not SequenceMode.PREFILL_ONLY or seq.prompt_is_final:
             raise InvalidRequestError(f"request {request_id!r} is not an unfinished prefill")
         total = seq.num_tokens + len(token_ids)
-        if any(not (0 <= t < self.vocab_size) for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if total >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt would have {total} tokens; the context is {self.max_model_len}")
-        self._check_fits(total + seq.params.max_tokens)
+        self._check_prompt(token_ids, total, total + seq.params.max_tokens)
         seq.token_ids.extend(token_ids)
         seq.num_prompt_tokens = total
         seq.prompt_is_final = final

@@ -4,7 +4,7 @@ from array import array
 
 import torch
 
-from pdrt.engine.attention import AttentionMetadata, GatherWorkspace, PrefillSpan
+from pdrt.engine.attention import AttentionMetadata, DecodeGather, GatherWorkspace, PrefillSpan
 from pdrt.engine.kv_pool import KVPool
 from pdrt.engine.scheduler import ScheduledBatch
 
@@ -76,11 +76,17 @@ class ModelRunner:
         packed = torch.frombuffer(array("q", ids + positions + slots + keep + lengths + tables), dtype=torch.long)
         ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
             [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
-        decode_mask = None
-        if num_decodes and any(n != max_blocks * bs for n in lengths):
-            # An additive float mask: SDPA's CPU kernel would convert a boolean one in every layer.
-            padding = self.columns[: max_blocks * bs] >= lengths_t.unsqueeze(1)
-            decode_mask = (padding * self.mask_value).view(num_decodes, 1, 1, -1)
+        # Size the gather workspace for the step's largest gather once, before any view into it is taken.
+        self.workspace.buffers(max([num_decodes * max_blocks] + [info[4] for info in span_info]))
+        decode = None
+        if num_decodes:
+            mask = None
+            if any(n != max_blocks * bs for n in lengths):
+                # An additive float mask: SDPA's CPU kernel would convert a boolean one in every layer.
+                padding = self.columns[: max_blocks * bs] >= lengths_t.unsqueeze(1)
+                mask = (padding * self.mask_value).view(num_decodes, 1, 1, -1)
+            decode = DecodeGather.build(self.workspace, self.pool, tables_t[: num_decodes * max_blocks],
+                                        num_decodes, mask)
         spans = []
         if span_info:
             all_positions, all_slots = [pos_t], [slots_t]
@@ -90,8 +96,7 @@ class ModelRunner:
                 all_slots.append((block_ids.unsqueeze(1) * bs + self.columns[:bs]).view(-1)[ctx : ctx + n])
                 spans.append(self._span(start, n, ctx, block_ids))
             pos_t, slots_t = torch.cat(all_positions), torch.cat(all_slots)
-        meta = AttentionMetadata(self.pool, self.workspace, slots_t, num_decodes,
-                                 tables_t[: num_decodes * max_blocks], max_blocks, decode_mask, spans)
+        meta = AttentionMetadata(self.pool, self.workspace, slots_t, num_decodes, decode, spans)
         return ids_t.unsqueeze(0), pos_t.unsqueeze(0), keep_t, meta
 
     def _span(self, start: int, n: int, ctx: int, block_ids: torch.Tensor) -> PrefillSpan:

@@ -71,7 +71,7 @@ class Scheduler:
         return seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        n = (seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1) - seq.num_computed_tokens
+        n = self._num_computable(seq) - seq.num_computed_tokens
         return max(0, min(n, self.max_prefill_chunk_size, budget))
 
     def _preempt(self, seq: Sequence) -> None:
