@@ -57,3 +57,21 @@ class UnsupportedModelError(ModelLoadError):
 
 class ModelFetchError(PdrtError):
     code = "model_fetch"
+
+
+class ActorStoppedError(PdrtError):
+    """The actor a message was sent to has stopped (or stopped before replying)."""
+
+    code = "actor_stopped"
+
+
+class AskTimeoutError(PdrtError):
+    """An `ask` got no reply within its timeout."""
+
+    code = "timeout"
+
+
+class MailboxFullError(PdrtError):
+    """The actor's bounded mailbox is full; the sender should shed or retry later."""
+
+    code = "overloaded"
