@@ -1,0 +1,51 @@
+"""The one place ZeroMQ sockets are made.
+
+Topology: a process that serves binds a ROUTER; its peers connect DEALERs
+with a short identity; one-way streams use PUSH/PULL. Every socket gets
+linger 0 (closing never blocks on unsent messages: a peer that is gone must
+not hang shutdown) and explicit high-water marks (a slow peer makes sends
+fail fast instead of growing memory without bound).
+"""
+
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+DEFAULT_HWM = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class SocketSpec:
+    kind: int  # zmq.ROUTER, zmq.DEALER, zmq.PUSH, zmq.PULL, ...
+    address: str  # "tcp://127.0.0.1:5555", "ipc:///run/pdrt/gw.sock", "tcp://127.0.0.1:*"
+    bind: bool
+    identity: bytes | None = None
+    hwm: int = DEFAULT_HWM
+
+
+def make_socket(ctx: zmq.asyncio.Context, spec: SocketSpec) -> zmq.asyncio.Socket:
+    """Create, configure and bind or connect a socket as `spec` says."""
+    sock = ctx.socket(spec.kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, spec.hwm)
+    sock.setsockopt(zmq.RCVHWM, spec.hwm)
+    if spec.identity is not None:
+        sock.setsockopt(zmq.IDENTITY, spec.identity)
+    if spec.kind == zmq.ROUTER:
+        # Sending to an unknown or departed peer raises instead of dropping silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        if spec.bind:
+            sock.bind(spec.address)
+        else:
+            sock.connect(spec.address)
+    except zmq.ZMQError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_address(sock: zmq.asyncio.Socket) -> str:
+    """The address a socket bound to, with the port filled in when it asked for `*`."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
