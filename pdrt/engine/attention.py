@@ -49,7 +49,8 @@ class GatherWorkspace:
         numel = num_rows * self.row_numel
         if 2 * numel > self.flat.numel():
             self.flat = torch.empty(1 << (2 * numel - 1).bit_length(), dtype=self.dtype, device=self.device)
-        return self.flat[:numel].view(num_rows, -1), self.flat[numel : 2 * numel].view(num_rows, -1)
+        rows = (num_rows, self.row_numel)
+        return self.flat[:numel].view(rows), self.flat[numel : 2 * numel].view(rows)
 
 
 @dataclass(slots=True)

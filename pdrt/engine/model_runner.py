@@ -77,7 +77,8 @@ class ModelRunner:
         ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
             [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
         # Size the gather workspace for the step's largest gather once, before any view into it is taken.
-        self.workspace.buffers(max([num_decodes * max_blocks] + [info[4] for info in span_info]))
+        # (A chunk with no context attends over its own fresh K/V and gathers nothing.)
+        self.workspace.buffers(max([num_decodes * max_blocks] + [nb for _, _, ctx, _, nb in span_info if ctx]))
         decode = None
         if num_decodes:
             mask = None
