@@ -75,3 +75,39 @@ class MailboxFullError(PdrtError):
     """The actor's bounded mailbox is full; the sender should shed or retry later."""
 
     code = "overloaded"
+
+
+class TransferError(PdrtError):
+    """Moving KV between workers failed: unreachable source, expired lease, short or malformed data."""
+
+    code = "transfer_failed"
+
+
+class ProtocolError(PdrtError):
+    """A frame that does not decode into its expected type, or a peer that speaks another version."""
+
+    code = "invalid_frame"
+
+
+class UnsupportedError(PdrtError):
+    """A well-formed request for something this server does not offer."""
+
+    code = "unsupported"
+
+
+class UnavailableError(PdrtError):
+    """No live worker can take the request now (all dead, or none registered yet)."""
+
+    code = "unavailable"
+
+
+class WorkerLostError(PdrtError):
+    """The worker serving a request died after the request had produced tokens."""
+
+    code = "worker_lost"
+
+
+class ConfigError(PdrtError):
+    """A node config (TOML, flags, environment) that cannot be used."""
+
+    code = "config"

@@ -1,0 +1,280 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Two protocols share this module:
+
+* the **client protocol** (client DEALER -> gateway ROUTER): `ClientRequest`
+  one way, `ClientReply` the other. A client opens with `Hello`; the gateway
+  answers `Ready` when the protocol versions match and `Error` otherwise, and
+  answers every later frame from a client that has not said `Hello` with an
+  `Error` (code "handshake_required"). docs/protocol.md lays it out.
+* the **internal protocol** between gateway, controller and workers
+  (`InternalMessage`). Every process registers with the controller, which
+  checks its protocol version, so two processes only ever talk after both
+  passed that check.
+
+Structs are `array_like` (compact, positional on the wire) and tagged, so one
+`msgspec.msgpack.Decoder` per union decodes and validates any frame: a frame
+that is not msgpack, names no known tag, or has a field of the wrong type is
+rejected whole. KV bytes never travel in these structs: they move by handle
+(shared memory) or as separate zero-copy frames (TCP).
+"""
+
+from typing import Any
+
+import msgspec
+
+from pdrt.engine.outputs import RequestOutput
+from pdrt.engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_CLIENT_FRAME_BYTES = 8 << 20
+
+
+def _struct(tag: str) -> dict[str, Any]:
+    return dict(tag=tag, array_like=True, omit_defaults=True, forbid_unknown_fields=True)
+
+
+# -- client protocol --------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Hello(msgspec.Struct, **_struct("hello")):
+    protocol_version: int
+    client: str = ""
+
+
+class Generate(msgspec.Struct, **_struct("generate")):
+    """Generate from exactly one of `prompt` (text), `messages` (chat) or `token_ids`.
+
+    `request_id` is chosen by the client and unique among its open requests.
+    With `stream`, every batch of new tokens comes as a `Tokens` frame; without
+    it, one `Tokens` frame carries everything at the end. `timeout_s` bounds
+    the whole request; the gateway's default applies when it is None.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    timeout_s: float | None = None
+
+
+class Cancel(msgspec.Struct, **_struct("cancel")):
+    request_id: str
+
+
+class GetStatus(msgspec.Struct, **_struct("get_status")):
+    pass
+
+
+# Tags reserved for streaming input (open a draft, append text, replace its
+# tail, submit, abandon). A gateway that does not implement them answers
+# `Error(code="unsupported")`, so clients can probe for the feature.
+RESERVED_TAGS = frozenset({"draft_open", "draft_append", "draft_replace", "draft_submit", "draft_abandon"})
+
+ClientRequest = Hello | Generate | Cancel | GetStatus
+
+
+class Ready(msgspec.Struct, **_struct("ready")):
+    protocol_version: int
+    server: str
+    model: str
+    max_model_len: int
+
+
+class Usage(msgspec.Struct, array_like=True, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Tokens(msgspec.Struct, **_struct("tokens")):
+    """New output of one request. `finish_reason` is "stop", "length" or "cancelled" on the last frame."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    logprobs: list[float] | None = None
+
+
+class Error(msgspec.Struct, **_struct("error")):
+    """A typed failure: `code` is stable (see pdrt.errors), `message` is for people.
+
+    `request_id` is None when the frame that failed could not be read far
+    enough to know it. An error with a request id ends that request.
+    """
+
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+class WorkerStatus(msgspec.Struct, array_like=True, omit_defaults=True):
+    process_id: str
+    role: str
+    alive: bool
+    load: "Load"
+
+
+class Status(msgspec.Struct, **_struct("status")):
+    workers: list[WorkerStatus]
+    num_open_requests: int = 0
+
+
+ClientReply = Ready | Tokens | Error | Status
+
+
+# -- internal protocol --------------------------------------------------------
+
+
+class Load(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a worker reports about itself with every heartbeat."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_held: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+    num_waiting_tokens: int = 0
+
+
+class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
+    """Where a prefill worker's KV pool can be read from, and its shape.
+
+    `backend` is a `pdrt.transport.TransferBackend` value; `address` is the
+    shared-memory segment's path or the TCP endpoint that serves pulls.
+    """
+
+    backend: int
+    address: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class Register(msgspec.Struct, **_struct("register")):
+    protocol_version: int
+    process_id: str
+    incarnation: str
+    role: str
+    address: str  # the process's inbox (ROUTER) for internal messages
+
+
+class Registered(msgspec.Struct, **_struct("registered")):
+    heartbeat_s: float
+    lease_s: float
+
+
+class Heartbeat(msgspec.Struct, **_struct("heartbeat")):
+    process_id: str
+    incarnation: str
+    load: Load = msgspec.field(default_factory=Load)
+
+
+class WorkerInfo(msgspec.Struct, array_like=True, omit_defaults=True):
+    process_id: str
+    incarnation: str
+    role: str
+    address: str
+    load: Load
+
+
+class ClusterView(msgspec.Struct, **_struct("cluster_view")):
+    """The live workers, sent to every gateway after each change and periodically."""
+
+    workers: list[WorkerInfo]
+
+
+class ProcessLost(msgspec.Struct, **_struct("process_lost")):
+    """The controller declared this incarnation dead (lease missed or replaced)."""
+
+    process_id: str
+    incarnation: str
+
+
+class PrefillRequest(msgspec.Struct, **_struct("prefill")):
+    """Gateway -> prefill (or colocated) worker. `decode_address` is empty for a colocated worker."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    reply_to: str  # the gateway's inbox
+    decode_address: str = ""
+
+
+class KVHandoff(msgspec.Struct, **_struct("kv_handoff")):
+    """Prefill -> decode: the prompt KV is ready to pull; decode continues after `first_token`.
+
+    `lease_expires_at` is the prefill host's `time.monotonic()` after which
+    the blocks may be reused; a pull must have completed before it.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    first_token: int
+    params: SamplingParams
+    reply_to: str  # the gateway's inbox
+    prefill_address: str
+    source: KVSourceDescriptor
+    block_ids: list[int]
+    lease_expires_at: float
+
+
+class KVAck(msgspec.Struct, **_struct("kv_ack")):
+    """Decode -> prefill: the blocks of `request_id` are no longer needed (pulled, or given up)."""
+
+    request_id: str
+
+
+class Abort(msgspec.Struct, **_struct("abort")):
+    request_id: str
+
+
+class StepOutputs(msgspec.Struct, **_struct("step_outputs")):
+    """Worker -> gateway: everything one engine step produced, in one message."""
+
+    process_id: str
+    outputs: list[RequestOutput]
+
+
+class RequestFailed(msgspec.Struct, **_struct("request_failed")):
+    """Worker -> gateway: a request ended in error on this worker. `retryable` when no token was produced."""
+
+    request_id: str
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class DecodeAccepted(msgspec.Struct, **_struct("decode_accepted")):
+    """Decode -> gateway: the decode worker holds the KV of `request_id` and decodes it now."""
+
+    request_id: str
+    process_id: str
+
+
+InternalMessage = (Register | Registered | Heartbeat | ClusterView | ProcessLost | PrefillRequest | KVHandoff
+                   | KVAck | Abort | StepOutputs | RequestFailed | DecodeAccepted | Error)
+
+client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
+client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)
+internal_decoder = msgspec.msgpack.Decoder(InternalMessage)
+encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return encoder.encode(message)
