@@ -40,7 +40,7 @@ class KVPool:
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
                  storage: torch.Tensor | None = None) -> None:
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = self.shape_for(layout, num_blocks)
         if storage is None:
             storage = torch.zeros(shape, dtype=layout.dtype, device=device)
         elif tuple(storage.shape) != shape or storage.dtype != layout.dtype:
@@ -57,6 +57,10 @@ class KVPool:
         # Per-layer views with one row per block, for gathering whole blocks.
         self.k_blocks = [storage[i, 0].view(num_blocks, -1) for i in range(layout.num_layers)]
         self.v_blocks = [storage[i, 1].view(num_blocks, -1) for i in range(layout.num_layers)]
+
+    @staticmethod
+    def shape_for(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+        return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     @property
     def capacity_tokens(self) -> int:

@@ -11,6 +11,7 @@ Three ways in, one per kind of worker:
 """
 
 import random
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -40,7 +41,9 @@ log = structlog.get_logger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """`kv_allocator(shape, dtype)` supplies the pool's storage (shared memory, for a KV source)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -55,7 +58,10 @@ class LLMEngine:
         if num_blocks < 1:
             raise InvalidRequestError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
                                       f"of {layout.bytes_per_block} bytes")
-        self.pool = KVPool(layout, num_blocks, device=config.device)
+        storage = None
+        if kv_allocator is not None:
+            storage = kv_allocator(KVPool.shape_for(layout, num_blocks), layout.dtype)
+        self.pool = KVPool(layout, num_blocks, device=config.device, storage=storage)
         log.info("kv pool ready", blocks=num_blocks, block_size=config.block_size,
                  capacity_tokens=self.pool.capacity_tokens, bytes=self.pool.num_bytes, dtype=str(layout.dtype))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,

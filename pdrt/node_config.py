@@ -1,0 +1,211 @@
+"""One node's deployment: which processes run, where they listen, and how each engine is sized.
+
+Read from TOML (`pdrt up --config node.toml`), then overridden by environment
+variables and then by command-line flags. Every table and key is optional:
+
+    model = "/models/SmolLM2-135M-Instruct"   # default: the model `pdrt model fetch` installs
+    host = "127.0.0.1"                        # where every socket binds
+    mode = "disaggregated"                    # or "colocated"
+    transfer = "shm"                          # KV handoff backend: "shm" (same host) or "tcp"
+
+    [gateway]
+    port = 7100
+
+    [controller]
+    port = 7101
+
+    [engine]                                  # every worker's engine
+    kv_cache_bytes = 1073741824
+    max_prefill_chunk_size = 512
+
+    [prefill]                                 # [decode] and [colocated] alike
+    count = 1
+    threads = 1
+
+The supervisor hands the resolved config to its children as JSON.
+"""
+
+import os
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from pdrt.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_PREFILL_CHUNK, EngineConfig
+from pdrt.errors import ConfigError
+
+MODES = ("disaggregated", "colocated")
+TRANSFERS = ("shm", "tcp")
+WORKER_ROLES = ("prefill", "decode", "colocated")
+
+
+class _Table(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class GatewayConfig(_Table):
+    port: int = 7100
+    max_open_requests: int = 1024
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 10.0
+
+
+class ControllerConfig(_Table):
+    port: int = 7101
+    heartbeat_s: float = 0.25
+    lease_s: float = 2.0
+
+
+class EngineSettings(_Table):
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    block_size: int = 16
+    max_prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    hash_seed: int = 0
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_lease_s: float = 30.0  # how long a prefill worker holds handed-off KV without an acknowledgement
+
+
+class WorkerGroup(_Table):
+    count: int = 1
+    threads: int | None = None  # default: the cores split evenly across workers
+
+
+class NodeConfig(_Table):
+    model: str = ""
+    host: str = "127.0.0.1"
+    mode: str = "disaggregated"
+    transfer: str = "shm"
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    prefill: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
+    decode: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
+    colocated: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.transfer not in TRANSFERS:
+            raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+        for name in WORKER_ROLES:
+            if getattr(self, name).count < 0:
+                raise ConfigError(f"[{name}] count must be >= 0")
+        for name, port in (("gateway", self.gateway.port), ("controller", self.controller.port)):
+            if not (0 < port < 65536):
+                raise ConfigError(f"[{name}] port must be in 1..65535, got {port}")
+        if self.controller.lease_s <= self.controller.heartbeat_s:
+            raise ConfigError("[controller] lease_s must be longer than heartbeat_s")
+
+    # -- addresses ------------------------------------------------------------
+
+    @property
+    def gateway_address(self) -> str:
+        return f"tcp://{self.host}:{self.gateway.port}"
+
+    @property
+    def controller_address(self) -> str:
+        return f"tcp://{self.host}:{self.controller.port}"
+
+    def ephemeral_address(self) -> str:
+        """Where a process binds a socket whose port others learn from the controller."""
+        return f"tcp://{self.host}:*"
+
+    # -- processes ------------------------------------------------------------
+
+    def worker_counts(self) -> dict[str, int]:
+        if self.mode == "colocated":
+            return {"colocated": self.colocated.count}
+        return {"prefill": self.prefill.count, "decode": self.decode.count}
+
+    def process_names(self) -> list[str]:
+        """Every process of the node, in start order: controller, workers, gateway."""
+        names = ["controller"]
+        for role, count in self.worker_counts().items():
+            names += [f"{role}-{i}" for i in range(count)]
+        return names + ["gateway"]
+
+    def threads_for(self, role: str) -> int:
+        explicit = getattr(self, role).threads
+        if explicit is not None:
+            return explicit
+        num_workers = max(1, sum(self.worker_counts().values()))
+        return max(1, (os.cpu_count() or 1) // num_workers)
+
+    def engine_config(self, role: str) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(model=self.model, device=e.device, dtype=e.dtype, block_size=e.block_size,
+                            kv_cache_memory_bytes=e.kv_cache_bytes, max_model_len=e.max_model_len,
+                            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                            max_prefill_chunk_size=e.max_prefill_chunk_size, hash_seed=e.hash_seed,
+                            num_threads=self.threads_for(role))
+
+    # -- (de)serialization ------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "NodeConfig":
+        return _convert(msgspec.json.decode(data), "the node config JSON")
+
+
+def _convert(raw: dict, source: str) -> NodeConfig:
+    try:
+        return msgspec.convert(raw, NodeConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+# Environment variables and the setting each overrides.
+ENVIRONMENT = {
+    "PDRT_MODEL": ("model",),
+    "PDRT_HOST": ("host",),
+    "PDRT_MODE": ("mode",),
+    "PDRT_TRANSFER": ("transfer",),
+    "PDRT_PORT": ("gateway", "port"),
+    "PDRT_CONTROLLER_PORT": ("controller", "port"),
+    "PDRT_KV_CACHE_BYTES": ("engine", "kv_cache_bytes"),
+    "PDRT_PREFILL_CHUNK": ("engine", "max_prefill_chunk_size"),
+}
+
+
+def _set(raw: dict, path: tuple[str, ...], value: object) -> None:
+    for key in path[:-1]:
+        raw = raw.setdefault(key, {})
+    raw[path[-1]] = value
+
+
+def load_node_config(path: str | None = None, overrides: dict[tuple[str, ...], object] | None = None,
+                     environ: dict[str, str] | None = None) -> NodeConfig:
+    """File, then environment, then `overrides` (from flags; None values are skipped)."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+    environ = os.environ if environ is None else environ
+    for name, key in ENVIRONMENT.items():
+        if name in environ:
+            value: object = environ[name]
+            if key[-1] in ("port", "kv_cache_bytes", "max_prefill_chunk_size"):
+                try:
+                    value = int(str(value))
+                except ValueError:
+                    raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+            _set(raw, key, value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set(raw, key, value)
+    config = _convert(raw, path or "the node config")
+    if not config.model:
+        from pdrt.models.fetch import default_model_dir, is_fetched
+
+        if not is_fetched():
+            raise ConfigError("no model given and the default model is not fetched; run `pdrt model fetch`")
+        config.model = str(default_model_dir())
+    return config
