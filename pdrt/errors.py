@@ -71,6 +71,12 @@ class AskTimeoutError(PdrtError):
     code = "timeout"
 
 
+class RequestTimeoutError(PdrtError):
+    """A request did not finish before its deadline."""
+
+    code = "timeout"
+
+
 class MailboxFullError(PdrtError):
     """The actor's bounded mailbox is full; the sender should shed or retry later."""
 

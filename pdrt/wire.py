@@ -185,6 +185,13 @@ class Heartbeat(msgspec.Struct, **_struct("heartbeat")):
     load: Load = msgspec.field(default_factory=Load)
 
 
+class Goodbye(msgspec.Struct, **_struct("goodbye")):
+    """A process that shuts down cleanly leaves the registry at once instead of waiting out its lease."""
+
+    process_id: str
+    incarnation: str
+
+
 class WorkerInfo(msgspec.Struct, array_like=True, omit_defaults=True):
     process_id: str
     incarnation: str
@@ -260,15 +267,8 @@ class RequestFailed(msgspec.Struct, **_struct("request_failed")):
     retryable: bool = False
 
 
-class DecodeAccepted(msgspec.Struct, **_struct("decode_accepted")):
-    """Decode -> gateway: the decode worker holds the KV of `request_id` and decodes it now."""
-
-    request_id: str
-    process_id: str
-
-
-InternalMessage = (Register | Registered | Heartbeat | ClusterView | ProcessLost | PrefillRequest | KVHandoff
-                   | KVAck | Abort | StepOutputs | RequestFailed | DecodeAccepted | Error)
+InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | PrefillRequest
+                   | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)
@@ -278,3 +278,34 @@ encoder = msgspec.msgpack.Encoder()
 
 def encode(message: msgspec.Struct) -> bytes:
     return encoder.encode(message)
+
+
+# -- KV transfer over TCP -----------------------------------------------------
+#
+# A decode worker's DEALER asks a prefill worker's ROUTER for blocks with
+# `KVPullRequest`; the answer is `KVPullReply` alone when refused, or
+# `KVPullReply` followed by one frame holding the blocks' bytes, in the
+# order asked, as a `[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`
+# tensor. These two never mix with `InternalMessage`: they travel on the
+# source's own socket.
+
+
+class KVPullRequest(msgspec.Struct, **_struct("kv_pull")):
+    """`seq` numbers one puller's requests, so a late reply to a timed-out request is never taken for a newer one."""
+
+    seq: int
+    request_id: str
+    block_ids: list[int]
+
+
+class KVPullReply(msgspec.Struct, **_struct("kv_pull_reply")):
+    """`error` is empty on success, and `num_bytes` is then the size of the data frame that follows."""
+
+    seq: int
+    num_bytes: int = 0
+    error: str = ""
+    message: str = ""
+
+
+kv_pull_request_decoder = msgspec.msgpack.Decoder(KVPullRequest)
+kv_pull_reply_decoder = msgspec.msgpack.Decoder(KVPullReply)

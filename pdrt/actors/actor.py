@@ -89,6 +89,12 @@ class ActorRef:
         """Deliver `message` without waiting for it to be handled."""
         self._post(_Envelope(message, None))
 
+    async def deliver(self, message: Any) -> None:
+        """Like `tell`, but wait for room in a full mailbox: socket readers use it to push back on peers."""
+        if not self.is_alive:
+            raise ActorStoppedError(f"{self.name} has stopped")
+        await self._mailbox.put(_Envelope(message, None))
+
     async def ask(self, message: Any, timeout: float) -> Any:
         """Deliver `message` and wait at most `timeout` seconds for the handler's result."""
         reply = asyncio.get_running_loop().create_future()

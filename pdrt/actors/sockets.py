@@ -24,8 +24,8 @@ class SocketSpec:
     hwm: int = DEFAULT_HWM
 
 
-def make_socket(ctx: zmq.asyncio.Context, spec: SocketSpec) -> zmq.asyncio.Socket:
-    """Create, configure and bind or connect a socket as `spec` says."""
+def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
+    """Create, configure and bind or connect a socket as `spec` says (asyncio or plain, as `ctx` is)."""
     sock = ctx.socket(spec.kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, spec.hwm)

@@ -72,6 +72,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}
         self.num_computed_prompt_tokens = 0
+        self.last_step_ran = False  # False when the last step found nothing it could schedule
 
     @property
     def capacity_tokens(self) -> int:
@@ -197,6 +198,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass: schedule, run the model, apply the sampled tokens."""
         batch = self.scheduler.schedule()
+        self.last_step_ran = not batch.is_empty
         if batch.is_empty:
             return []
         sample_seqs = batch.sample_seqs()

@@ -85,3 +85,14 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     except (OSError, ValueError):
         tokenizer = None  # token-id-only use is still possible
     return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model))
+
+
+def load_tokenizer(path: str) -> tuple[Any, int]:
+    """The tokenizer and context length of a checkpoint, without its weights (for a gateway)."""
+    source, extra = _source(path)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer at {path}: {exc}") from exc
+    return tokenizer, _context_length(config)

@@ -1,0 +1,1 @@
+"""The control plane: the controller process, its registry, and the link every other process keeps to it."""

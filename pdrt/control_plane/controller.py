@@ -1,0 +1,127 @@
+"""The controller process: registry of every process, leases, and the cluster view gateways route by.
+
+Life cycle of a process in the controller:
+
+1. `Register` (protocol version checked) -> `Registered` with the heartbeat
+   period and lease; a newer incarnation of the same process id replaces the
+   old one, which counts as lost;
+2. `Heartbeat` every period renews the lease and carries the worker's load;
+   a heartbeat from an incarnation the controller does not know gets
+   `Error(code="unknown_process")`, and the process registers again (this is
+   how processes recover from a controller restart);
+3. a lease that runs out, or a `Goodbye`, removes the process; gateways get
+   `ProcessLost` for a lost one and a fresh `ClusterView` either way.
+
+Gateways also get the `ClusterView` every heartbeat period, so their view of
+the load is never older than that.
+"""
+
+import asyncio
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdrt.actors.actor import Actor
+from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.node_config import NodeConfig
+from pdrt.wire import (
+    PROTOCOL_VERSION,
+    ClusterView,
+    Error,
+    Goodbye,
+    Heartbeat,
+    ProcessLost,
+    Register,
+    Registered,
+    encode,
+    internal_decoder,
+)
+
+from .registry import Entry, Registry
+
+log = structlog.get_logger(__name__)
+
+
+class Controller(Actor):
+    """An actor: frames from its socket and its own ticks arrive as messages, handled one at a time."""
+
+    def __init__(self, config: NodeConfig, ctx: zmq.asyncio.Context) -> None:
+        self.heartbeat_s = config.controller.heartbeat_s
+        self.registry = Registry(config.controller.lease_s)
+        self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True))
+
+    def _send(self, identity: bytes, message: msgspec.Struct) -> None:
+        try:
+            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
+            log.debug("controller could not reach a process", identity=identity, error=str(exc))
+
+    def _broadcast_view(self) -> None:
+        view = ClusterView(self.registry.workers())
+        for gateway in self.registry.by_role("gateway"):
+            self._send(gateway.identity, view)
+
+    def _lost(self, entry: Entry, why: str) -> None:
+        log.warning("process lost", process=entry.process_id, incarnation=entry.incarnation, why=why)
+        for gateway in self.registry.by_role("gateway"):
+            self._send(gateway.identity, ProcessLost(entry.process_id, entry.incarnation))
+
+    async def on_receive(self, message: object) -> None:
+        if message == "tick":
+            for entry in self.registry.expire():
+                self._lost(entry, "lease expired")
+            self._broadcast_view()
+        else:
+            self.handle(*message)
+
+    def handle(self, identity: bytes, message: object) -> None:
+        if isinstance(message, Heartbeat):
+            if not self.registry.heartbeat(message.process_id, message.incarnation, message.load):
+                self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
+        elif isinstance(message, Register):
+            if message.protocol_version != PROTOCOL_VERSION:
+                self._send(identity, Error("unsupported_version", f"controller speaks protocol {PROTOCOL_VERSION}, "
+                                                                  f"not {message.protocol_version}"))
+                return
+            replaced = self.registry.register(message.process_id, message.incarnation, message.role,
+                                              message.address, identity)
+            log.info("process registered", process=message.process_id, role=message.role, address=message.address)
+            self._send(identity, Registered(self.heartbeat_s, self.registry.lease_s))
+            if replaced is not None:
+                self._lost(replaced, "replaced by a new incarnation")
+            self._broadcast_view()
+        elif isinstance(message, Goodbye):
+            if self.registry.remove(message.process_id, message.incarnation) is not None:
+                log.info("process left", process=message.process_id)
+                self._broadcast_view()
+        else:
+            log.warning("controller ignored a message", message=type(message).__name__)
+
+    async def _read(self, ref) -> None:
+        while True:
+            identity, frame = (await self.socket.recv_multipart())[:2]
+            try:
+                message = internal_decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._send(identity, Error("invalid_frame", str(exc)))
+                continue
+            await ref.deliver((identity, message))
+
+    async def _tick(self, ref) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await ref.deliver("tick")
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        log.info("controller serving", heartbeat_s=self.heartbeat_s, lease_s=self.registry.lease_s)
+        ref = self.start()
+        tasks = [asyncio.create_task(self._read(ref)), asyncio.create_task(self._tick(ref))]
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await ref.stop()
+            self.socket.close()

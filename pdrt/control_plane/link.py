@@ -1,0 +1,91 @@
+"""Every process's connection to the controller: register, then heartbeat with its load, for as long as it runs.
+
+The link registers (retrying until the controller answers), heartbeats every
+period the controller asked for, registers again when the controller no
+longer knows it (a restarted controller), and hands whatever else the
+controller sends (cluster views, lost processes) to `on_message`. `close`
+says goodbye so the process leaves the registry at once.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.wire import PROTOCOL_VERSION, Error, Goodbye, Heartbeat, Load, Register, Registered, encode, internal_decoder
+
+log = structlog.get_logger(__name__)
+
+REGISTER_TIMEOUT_S = 2.0
+
+
+class ControllerLink:
+    def __init__(self, ctx: zmq.asyncio.Context, controller_address: str, process_id: str, incarnation: str,
+                 role: str, address: str, load: Callable[[], Load],
+                 on_message: Callable[[object], None] | None = None) -> None:
+        self.process_id = process_id
+        self.incarnation = incarnation
+        self.role = role
+        self.address = address
+        self.load = load
+        self.on_message = on_message
+        self.socket = make_socket(ctx, SocketSpec(zmq.DEALER, controller_address, bind=False,
+                                                  identity=f"{process_id}.{self.incarnation}".encode()))
+        self.registered = asyncio.Event()
+        self.heartbeat_s = 0.25
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat())]
+
+    def _send(self, message: msgspec.Struct) -> None:
+        try:
+            self.socket.send(encode(message), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("controller link could not send", error=str(exc))
+
+    def _register(self) -> None:
+        self.registered.clear()
+        self._send(Register(PROTOCOL_VERSION, self.process_id, self.incarnation, self.role, self.address))
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.socket.recv()
+            try:
+                message = internal_decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("controller link dropped an undecodable frame", error=str(exc))
+                continue
+            if isinstance(message, Registered):
+                self.heartbeat_s = message.heartbeat_s
+                self.registered.set()
+            elif isinstance(message, Error) and message.code == "unknown_process":
+                log.warning("the controller does not know this process; registering again")
+                self._register()
+            elif isinstance(message, Error):
+                log.error("the controller refused this process", code=message.code, error=message.message)
+            elif self.on_message is not None:
+                self.on_message(message)
+
+    async def _beat(self) -> None:
+        while True:
+            self._register()
+            while not self.registered.is_set():
+                try:
+                    await asyncio.wait_for(self.registered.wait(), REGISTER_TIMEOUT_S)
+                except TimeoutError:
+                    log.warning("controller did not answer the registration; retrying")
+                    self._register()
+            while self.registered.is_set():
+                self._send(Heartbeat(self.process_id, self.incarnation, self.load()))
+                await asyncio.sleep(self.heartbeat_s)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._send(Goodbye(self.process_id, self.incarnation))
+        self.socket.close(linger=200)  # give the goodbye a moment to leave

@@ -1,0 +1,94 @@
+"""Entry point of one pdrt process: `python -m pdrt.process NAME`, started by `pdrt up` (or systemd).
+
+NAME is "controller", "gateway" or a worker such as "prefill-0", "decode-1",
+"colocated-0". The node config comes as JSON in the file named by
+`PDRT_NODE_CONFIG`; `PDRT_RUN_ID` names this run (shared-memory segments
+carry it, so the supervisor can clean up after a crashed worker). SIGTERM or
+SIGINT stops the process in order: the gateway drains first, a worker closes
+its KV source (removing its shared memory), and every process leaves the
+controller's registry.
+"""
+
+import asyncio
+import os
+import signal
+import sys
+import uuid
+
+import structlog
+import zmq.asyncio
+
+from pdrt.actors.loop import run
+from pdrt.errors import ConfigError, PdrtError
+from pdrt.logs import configure_logging
+from pdrt.node_config import NodeConfig
+
+log = structlog.get_logger(__name__)
+
+
+def _role(name: str) -> str:
+    role = name.split("-", 1)[0]
+    if role not in ("controller", "gateway", "prefill", "decode", "colocated"):
+        raise ConfigError(f"unknown process {name!r}: expected controller, gateway, prefill-N, decode-N or "
+                          "colocated-N")
+    return role
+
+
+async def serve(config: NodeConfig, name: str, run_id: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ctx = zmq.asyncio.Context()
+    incarnation = uuid.uuid4().hex[:8]
+    role = _role(name)
+    try:
+        if role == "controller":
+            from pdrt.control_plane.controller import Controller
+
+            await Controller(config, ctx).serve(stop)
+        elif role == "gateway":
+            from pdrt.roles.gateway import Gateway
+
+            await Gateway(config, name, incarnation, ctx).serve(stop)
+        elif role == "prefill":
+            from pdrt.roles.prefill_worker import PrefillWorker
+
+            await PrefillWorker(config, name, incarnation, ctx, run_id).serve(stop)
+        elif role == "decode":
+            from pdrt.roles.decode_worker import DecodeWorker
+
+            await DecodeWorker(config, name, incarnation, ctx).serve(stop)
+        else:
+            from pdrt.roles.colocated_worker import ColocatedWorker
+
+            await ColocatedWorker(config, name, incarnation, ctx).serve(stop)
+    finally:
+        ctx.destroy(linger=0)
+    log.info("process stopped", process=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pdrt.process NAME", file=sys.stderr)
+        return 2
+    name = argv[0]
+    configure_logging(process=name)
+    try:
+        path = os.environ["PDRT_NODE_CONFIG"]
+        with open(path, "rb") as f:
+            config = NodeConfig.from_json(f.read())
+        _role(name)
+        run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
+    except KeyError:
+        log.error("PDRT_NODE_CONFIG is not set; this process is started by `pdrt up`")
+        return 2
+    except PdrtError as exc:
+        log.error("process failed", process=name, code=exc.code, error=str(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The colocated worker: prefill and decode in one engine, chunked prefill mixed into decode batches.
+
+Life cycle of a request in this worker: `PrefillRequest` (with no decode
+address) -> `engine.add_request` -> the scheduler runs its prompt in chunks
+alongside the running decodes -> every step's new tokens go to the gateway
+in one message -> the request finishes or is aborted. It is the baseline the
+disaggregated deployment is measured against, and the simpler deployment for
+short prompts.
+"""
+
+import structlog
+
+from pdrt.roles.engine_worker import EngineWorker
+from pdrt.wire import Abort, PrefillRequest
+
+log = structlog.get_logger(__name__)
+
+
+class ColocatedWorker(EngineWorker):
+    role = "colocated"
+
+    async def on_receive(self, message: object) -> None:
+        if isinstance(message, PrefillRequest):
+            rid = message.request_id
+            self.reply_to[rid] = message.reply_to
+            self.queue_op(rid, lambda: self.engine.add_request(rid, message.token_ids, message.params))
+        elif isinstance(message, Abort):
+            rid = message.request_id
+            self.reply_to.pop(rid, None)
+            self.queue_op(rid, lambda: self.engine.abort(rid))
+        else:
+            log.warning("colocated worker ignored a message", message=type(message).__name__)

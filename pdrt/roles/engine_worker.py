@@ -1,0 +1,160 @@
+"""What every worker process shares: an engine stepped off the event loop, an inbox, an outbox, a controller link.
+
+The worker is an actor. Messages from its inbox are handled one at a time on
+the event-loop thread, but they never touch the engine directly: a handler
+queues an *op* (a function that mutates the engine) and wakes the engine
+loop. The engine loop runs in three steps, like vLLM's busy loop:
+
+1. apply the queued ops (between steps, so the engine is never mutated
+   while a step runs);
+2. run one engine step on the engine thread, leaving the event loop free to
+   serve sockets while the model computes;
+3. emit what the step produced, one message per gateway.
+
+An op that raises a `PdrtError` ends its request with a `RequestFailed` to
+the gateway; it never takes the worker down.
+"""
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+import zmq.asyncio
+
+from pdrt.actors.actor import Actor, ActorRef
+from pdrt.control_plane.link import ControllerLink
+from pdrt.engine.llm_engine import LLMEngine
+from pdrt.engine.outputs import RequestOutput
+from pdrt.errors import PdrtError
+from pdrt.node_config import NodeConfig
+from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.wire import Load, RequestFailed, StepOutputs
+
+log = structlog.get_logger(__name__)
+
+IDLE_WAIT_S = 0.5
+
+
+class EngineWorker(Actor):
+    role = ""
+
+    def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
+                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        self.config = config
+        self.process_id = process_id
+        self.engine = LLMEngine(config.engine_config(self.role), kv_allocator=kv_allocator)
+        self.outbox = Outbox(ctx, process_id)
+        self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver)
+        self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, self.role,
+                                   self.inbox.address, self.load)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
+        self.ops: deque[tuple[str, Callable[[], None]]] = deque()
+        self.wake = asyncio.Event()
+        self.reply_to: dict[str, str] = {}  # request id -> the inbox of the gateway that sent it
+        self._load = Load()
+        self._ref: ActorRef | None = None
+
+    # -- messages -------------------------------------------------------------
+
+    async def _deliver(self, message: object) -> None:
+        assert self._ref is not None
+        await self._ref.deliver(message)
+
+    def queue_op(self, request_id: str, op: Callable[[], None]) -> None:
+        """Run `op` on the engine before its next step; a PdrtError from it fails `request_id`."""
+        self.ops.append((request_id, op))
+        self.wake.set()
+
+    def fail(self, request_id: str, exc: PdrtError, retryable: bool = False) -> None:
+        reply_to = self.reply_to.pop(request_id, None)
+        log.info("request failed", request_id=request_id, code=exc.code, error=str(exc))
+        if reply_to is not None:
+            self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), retryable))
+
+    # -- the engine loop ----------------------------------------------------------
+
+    def _apply_ops(self) -> None:
+        while self.ops:
+            request_id, op = self.ops.popleft()
+            try:
+                op()
+            except PdrtError as exc:
+                self.fail(request_id, exc)
+
+    async def _wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        self.wake.clear()
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_ops()
+            if self.engine.has_unfinished():
+                outputs = await loop.run_in_executor(self.executor, self.engine.step)
+                if outputs:
+                    self.emit(outputs)
+                if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op
+                    await self._wait(0.01)
+            else:
+                await self._wait(IDLE_WAIT_S)
+            self.after_step()
+            self._load = self._measure_load()
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        """Send each gateway the outputs of its requests, one message per gateway."""
+        by_gateway: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            reply_to = self.reply_to.pop(out.request_id) if out.finished else self.reply_to.get(out.request_id)
+            if reply_to is not None:
+                by_gateway.setdefault(reply_to, []).append(out)
+        for reply_to, outs in by_gateway.items():
+            self.outbox.send(reply_to, StepOutputs(self.process_id, outs))
+
+    def after_step(self) -> None:
+        """Housekeeping between steps (leases, retries); the engine may be mutated here."""
+
+    # -- load ---------------------------------------------------------------------
+
+    def _measure_load(self) -> Load:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        num_free = blocks.num_free_blocks
+        waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting)
+        waiting_tokens += sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in scheduler.running)
+        num_held = len(self.engine.sequences) - len(scheduler.waiting) - len(scheduler.running)
+        return Load(len(scheduler.waiting), len(scheduler.running), num_held, num_free, blocks.num_blocks,
+                    blocks.num_blocks - num_free, waiting_tokens)
+
+    def load(self) -> Load:
+        return self._load
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        self._ref = self.start()
+        self._load = self._measure_load()
+        self.inbox.start()
+        self.link.start()
+        engine_task = asyncio.create_task(self._engine_loop(), name="engine loop")
+        log.info("worker serving", role=self.role, process=self.process_id, address=self.inbox.address)
+        try:
+            done, _ = await asyncio.wait([engine_task, asyncio.create_task(stop.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if engine_task in done:
+                engine_task.result()  # a crash of the engine loop crashes the process; the supervisor restarts it
+        finally:
+            engine_task.cancel()
+            self.link.close()
+            self.inbox.close()
+            await self._ref.stop()
+            self.executor.shutdown(wait=True)
+            self.outbox.close()
+            self.close()
+
+    def close(self) -> None:
+        """Release what the role holds beyond the engine (transfer endpoints, shared memory)."""

@@ -1,0 +1,93 @@
+"""One client request as the gateway sees it: where it runs, what it produced, what the client has been sent.
+
+Text is produced here, not in the workers: the gateway decodes the output
+tokens incrementally (never splitting a UTF-8 character) and applies stop
+strings. While streaming it holds back the last `len(longest stop) - 1`
+characters, since they could turn out to be the start of a stop string that
+the client must never see.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdrt.engine.detokenizer import IncrementalDetokenizer
+from pdrt.engine.outputs import RequestOutput
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.engine.sequence import FinishReason
+from pdrt.wire import Tokens, Usage, WorkerInfo
+
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
+
+
+@dataclass(slots=True, eq=False)
+class GatewayRequest:
+    identity: bytes  # the client's ZeroMQ identity
+    request_id: str  # the client's id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    deadline: float
+    detokenizer: IncrementalDetokenizer | None
+    internal_id: str = ""  # changes with every attempt, so late outputs of an abandoned attempt are ignored
+    attempt: int = 0
+    prefill: WorkerInfo | None = None
+    decode: WorkerInfo | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_chars_sent: int = 0
+    num_tokens_sent: int = 0
+    early_decode_outputs: list[RequestOutput] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, identity: bytes, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               stream: bool, deadline: float, tokenizer: Any | None) -> "GatewayRequest":
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop) if tokenizer is not None else None
+        return cls(identity, request_id, prompt_token_ids, params, stream, deadline, detok)
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(self.token_ids)
+
+    def workers(self) -> list[WorkerInfo]:
+        return [w for w in (self.prefill, self.decode) if w is not None]
+
+    def add(self, out: RequestOutput) -> tuple[Tokens | None, bool]:
+        """Take a worker's output; returns the frame to send (if any) and whether the request ended."""
+        if not self.token_ids:
+            self.num_cached_tokens = out.num_cached_tokens
+        finished, reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
+        for i, token in enumerate(out.new_token_ids):
+            self.token_ids.append(token)
+            if out.new_logprobs is not None:
+                self.logprobs.append(out.new_logprobs[i])
+            if self.detokenizer is not None:
+                delta = self.detokenizer.add(token)
+                stop = self.detokenizer.find_stop(len(delta))
+                if stop is not None:  # the worker stops on the same token; do not wait for it to say so
+                    finished, reason, stop_reason = True, FinishReason.STOP, stop
+                    break
+        if not finished and not self.stream:
+            return None, False
+        return self._frame(finished, FINISH_REASONS.get(FinishReason(reason)) if finished and reason else None,
+                           stop_reason), finished
+
+    def _frame(self, finished: bool, finish_reason: str | None, stop_reason: str | int | None = None) -> Tokens:
+        text = self.detokenizer.text if self.detokenizer is not None else ""
+        end = len(text)
+        if not finished and self.detokenizer is not None and self.detokenizer.max_stop_chars:
+            end = max(self.num_chars_sent, end - self.detokenizer.max_stop_chars + 1)
+        first = 0 if not self.stream else self.num_tokens_sent
+        frame = Tokens(self.request_id, self.token_ids[first:], text[self.num_chars_sent if self.stream else 0:end],
+                       finished, finish_reason, stop_reason,
+                       self.usage() if finished else None,
+                       self.logprobs[first:] if self.params.logprobs else None)
+        self.num_tokens_sent = len(self.token_ids)
+        self.num_chars_sent = end
+        return frame
+
+    def cancelled(self) -> Tokens:
+        return self._frame(True, "cancelled")
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_token_ids), len(self.token_ids), self.num_cached_tokens)

@@ -1,0 +1,100 @@
+"""The prefill worker: computes prompt KV and first tokens, then hands the KV to a decode worker.
+
+Life cycle of a request in this worker:
+
+1. `PrefillRequest` from a gateway -> `engine.add_prefill`; the request
+   waits in the scheduler, then its prompt runs in chunks, batched with other
+   requests' chunks under the token budget;
+2. the step that samples the first token sends it straight to the gateway
+   (TTFT does not wait for the KV transfer); if that token already ends the
+   request, nothing more happens;
+3. otherwise the prompt's blocks are exported from the KV source until a
+   lease deadline, and a `KVHandoff` tells the chosen decode worker where
+   they are;
+4. the decode worker's `KVAck` (or the lease running out) withdraws the
+   export and frees the blocks.
+
+An `Abort` before step 3 drops the request; after it, the blocks stay until
+the acknowledgement, because the decode worker may be copying them.
+"""
+
+import time
+
+import structlog
+import zmq.asyncio
+
+from pdrt.engine.outputs import RequestOutput
+from pdrt.node_config import NodeConfig
+from pdrt.roles.engine_worker import EngineWorker
+from pdrt.transport import TransferBackend, make_source
+from pdrt.wire import Abort, KVAck, KVHandoff, PrefillRequest
+
+log = structlog.get_logger(__name__)
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
+                 run_id: str) -> None:
+        backend = TransferBackend[config.transfer.upper()]
+        self.source = make_source(backend, f"pdrt-{run_id}-{process_id}-{incarnation}", config.host)
+        super().__init__(config, process_id, incarnation, ctx, kv_allocator=self.source.allocate)
+        self.lease_s = config.engine.kv_lease_s
+        self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
+        self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
+
+    async def on_receive(self, message: object) -> None:
+        if isinstance(message, PrefillRequest):
+            self._admit(message)
+        elif isinstance(message, KVAck):
+            if message.request_id in self.held:
+                self.queue_op(message.request_id, lambda rid=message.request_id: self._release(rid))
+        elif isinstance(message, Abort):
+            if self.requests.pop(message.request_id, None) is not None:
+                self.reply_to.pop(message.request_id, None)
+                self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
+        else:
+            log.warning("prefill worker ignored a message", message=type(message).__name__)
+
+    def _admit(self, request: PrefillRequest) -> None:
+        rid = request.request_id
+        self.requests[rid] = request
+        self.reply_to[rid] = request.reply_to
+
+        def add() -> None:
+            try:
+                self.engine.add_prefill(rid, request.token_ids, request.params)
+            except Exception:
+                self.requests.pop(rid, None)
+                raise
+
+        self.queue_op(rid, add)
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        super().emit(outputs)  # first tokens go to the gateways before any handoff
+        for out in outputs:
+            request = self.requests.pop(out.request_id, None)
+            if request is None or out.kv_block_ids is None:
+                continue
+            self.reply_to.pop(out.request_id, None)  # from here on the decode worker reports this request
+            deadline = time.monotonic() + self.lease_s
+            self.source.export(out.request_id, out.kv_block_ids, deadline)
+            self.held[out.request_id] = deadline
+            self.outbox.send(request.decode_address, KVHandoff(
+                out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
+                self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
+
+    def _release(self, request_id: str) -> None:
+        if self.held.pop(request_id, None) is not None:
+            self.source.withdraw(request_id)
+            self.engine.release(request_id)
+
+    def after_step(self) -> None:
+        now = time.monotonic()
+        for request_id in [rid for rid, deadline in self.held.items() if deadline < now]:
+            log.warning("kv lease expired without an acknowledgement", request_id=request_id)
+            self._release(request_id)
+
+    def close(self) -> None:
+        self.source.close()
