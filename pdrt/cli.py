@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--force", action="store_true", help="fetch and convert again")
     model.set_defaults(func=cmd_model)
 
+    from pdrt.supervisor import add_arguments, run_up
+
+    up = sub.add_parser("up", help="serve: start this node's processes and keep them running")
+    add_arguments(up)
+    up.set_defaults(func=run_up)
+
     gen = sub.add_parser("generate", help="answer one prompt, streamed")
     gen.add_argument("prompt")
     gen.add_argument("--model", help="checkpoint directory or .gguf file (default: the fetched SmolLM2)")
@@ -75,12 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import structlog
-    from transformers.utils import logging as hf_logging
+    from pdrt.logs import configure_logging
 
     # stdout carries answers; logs and progress go to stderr.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    hf_logging.disable_progress_bar()
+    configure_logging()
     try:
         return args.func(args)
     except PdrtError as exc:
