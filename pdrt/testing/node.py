@@ -1,6 +1,7 @@
 """A real node for tests and benchmarks: `pdrt up` in a subprocess, on free ports, stopped on exit."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,14 @@ class Node:
                 self.stop()
                 raise RuntimeError(f"pdrt up did not become ready; log: {self.log_path}\n{self.log_tail()}")
         return self
+
+    @property
+    def run_id(self) -> str:
+        """The supervisor's run id (it names the run's shared-memory segments), read from its JSON log."""
+        match = re.search(r'"run_id": "([0-9a-f]+)"', self.log_path.read_text())
+        if match is None:
+            raise RuntimeError(f"no run id in {self.log_path}")
+        return match.group(1)
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text()[-num_chars:]

@@ -1,0 +1,53 @@
+"""A minimal raw client for system tests: speaks pdrt.wire directly, so the tests check the protocol itself."""
+
+import time
+
+import msgspec
+import zmq
+
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.wire import PROTOCOL_VERSION, Error, Generate, Hello, Ready, Tokens, client_reply_decoder, encode
+
+
+class RawClient:
+    def __init__(self, address: str, handshake: bool = True) -> None:
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        if handshake:
+            assert isinstance(self.ask(Hello(PROTOCOL_VERSION)), Ready)
+
+    def send(self, message: msgspec.Struct | bytes) -> None:
+        self.socket.send(message if isinstance(message, bytes) else encode(message))
+
+    def recv(self, timeout_s: float = 30.0):
+        if not self.socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no reply in {timeout_s} s")
+        return client_reply_decoder.decode(self.socket.recv())
+
+    def ask(self, message: msgspec.Struct | bytes, timeout_s: float = 30.0):
+        self.send(message)
+        return self.recv(timeout_s)
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams, stream: bool = True,
+                      timeout_s: float = 120.0) -> dict[str, list[int] | Error]:
+        """Send every prompt at once; collect each request's tokens (or its error) until all ended."""
+        for i, prompt in enumerate(prompts):
+            self.send(Generate(f"r{i}", token_ids=prompt, params=params, stream=stream))
+        results: dict[str, list[int] | Error] = {}
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < len(prompts):
+            reply = self.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(reply, Error):
+                results[reply.request_id] = reply
+            elif isinstance(reply, Tokens):
+                tokens[reply.request_id].extend(reply.token_ids)
+                if reply.finished:
+                    results[reply.request_id] = tokens[reply.request_id]
+        return {f"r{i}": results[f"r{i}"] for i in range(len(prompts))}
+
+    def close(self) -> None:
+        self.socket.close()
+        self.ctx.term()

@@ -1,0 +1,166 @@
+"""The whole system through `pdrt up` in a subprocess: real processes, sockets and shared memory, a tiny model."""
+
+import os
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.testing.node import Node
+from pdrt.wire import (
+    MAX_CLIENT_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    Error,
+    Generate,
+    GetStatus,
+    Hello,
+    Status,
+    Tokens,
+)
+from tests.system_client import RawClient
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def node(model_dirs, tmp_path_factory):
+    with Node(tmp_path_factory.mktemp("node"), str(model_dirs["llama"])) as running:
+        yield running
+
+
+@pytest.fixture
+def client(node):
+    c = RawClient(node.address)
+    yield c
+    c.close()
+
+
+def mixed_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """`n` distinct prompts of the fixture's mixed lengths (1 to 1100 tokens)."""
+    return [prompts[i % len(prompts)][i // len(prompts):] or [7 + i] for i in range(n)]
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def used_blocks(node: Node) -> dict[str, int]:
+    """KV blocks in use per live worker, asked on a connection of its own (streams may be open on others)."""
+    client = RawClient(node.address)
+    try:
+        status = client.ask(GetStatus())
+    finally:
+        client.close()
+    assert isinstance(status, Status)
+    return {w.process_id: w.load.num_used_blocks for w in status.workers}
+
+
+def test_32_concurrent_requests_of_mixed_lengths_equal_transformers_generate(node, client, prompts, references):
+    batch = mixed_prompts(prompts, 32)
+    results = client.generate_many(batch, GREEDY)
+    reference = references["llama"]
+    for i, prompt in enumerate(batch):
+        assert results[f"r{i}"] == reference.greedy(prompt), f"request {i} ({len(prompt)} prompt tokens)"
+
+
+def test_colocated_and_tcp_transfer_give_the_same_greedy_outputs_as_disaggregated(node, client, prompts, model_dirs,
+                                                                                  tmp_path_factory):
+    batch = mixed_prompts(prompts, 12)
+    disaggregated = client.generate_many(batch, GREEDY, stream=False)
+    for settings in ({"mode": "colocated"}, {"transfer": "tcp"}):
+        with Node(tmp_path_factory.mktemp("other"), str(model_dirs["llama"]), **settings) as other:
+            other_client = RawClient(other.address)
+            try:
+                assert other_client.generate_many(batch, GREEDY, stream=False) == disaggregated, settings
+            finally:
+                other_client.close()
+
+
+def test_cancel_mid_stream_ends_the_stream_and_frees_kv_on_both_workers(node, client, prompts):
+    client.send(Generate("long", token_ids=prompts[-1], params=SamplingParams(temperature=0, max_tokens=3000,
+                                                                               ignore_eos=True)))
+    received = 0
+    while received < 3:
+        reply = client.recv()
+        assert isinstance(reply, Tokens) and not reply.finished
+        received += len(reply.token_ids)
+    wait_for(lambda: used_blocks(node)["decode-0"] > 0, timeout_s=5)  # loads arrive with heartbeats
+    client.send(Cancel("long"))
+    while not (isinstance(reply, Tokens) and reply.finished):
+        reply = client.recv()
+    assert reply.finish_reason == "cancelled"
+    wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=5)
+
+
+def test_malformed_frames_get_error_replies_and_the_gateway_keeps_serving(node, client, prompts, references):
+    rng = random.Random(0)
+    bad_frames = {
+        "random bytes": bytes(rng.randrange(256) for _ in range(64)),
+        "wrong types": msgspec.msgpack.encode(["generate", "x", 5, "not a list"]),
+        "unknown tag": msgspec.msgpack.encode(["launch_missiles", "x"]),
+        "bad sampling params": msgspec.msgpack.encode(["generate", "x", None, None, [1, 2], {"top_p": 0.0}]),
+        "oversize": b"\x00" * (MAX_CLIENT_FRAME_BYTES + 1),
+    }
+    for what, frame in bad_frames.items():
+        reply = client.ask(frame)
+        assert isinstance(reply, Error), what
+        assert reply.code in ("invalid_frame", "invalid_sampling_params"), (what, reply)
+    assert client.ask(Hello(PROTOCOL_VERSION + 1)).code == "unsupported_version"
+    stranger = RawClient(node.address, handshake=False)
+    try:
+        assert stranger.ask(Generate("y", token_ids=[1, 2])).code == "handshake_required"
+        stranger.socket.send_multipart([b"two", b"frames"])
+        assert stranger.recv().code == "invalid_frame"
+    finally:
+        stranger.close()
+    assert client.ask(Generate("z", prompt="x", token_ids=[1])).code == "invalid_request"
+    assert client.ask(Generate("z", token_ids=[1] * 5000)).code == "prompt_too_long"
+    assert client.ask(Cancel("never-sent")).code == "unknown_request"
+    assert client.generate_many([prompts[3]], GREEDY)["r0"] == references["llama"].greedy(prompts[3])
+
+
+def test_kill_9_of_the_decode_worker_ends_its_requests_within_5_s_and_it_is_restarted(node, client, prompts,
+                                                                                     references):
+    params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    for i in range(4):
+        client.send(Generate(f"k{i}", token_ids=prompts[i + 4], params=params))
+    started: set[str] = set()
+    while len(started) < 4:
+        reply = client.recv()
+        assert isinstance(reply, Tokens)
+        started.add(reply.request_id)
+    old_pid = node.child_pids()["decode-0"]
+    os.kill(old_pid, 9)
+    killed_at = time.monotonic()
+    ended: dict[str, object] = {}
+    while len(ended) < 4:
+        reply = client.recv(timeout_s=10)
+        if isinstance(reply, Error) or reply.finished:
+            ended[reply.request_id] = reply
+    assert time.monotonic() - killed_at < 5.0
+    assert all(isinstance(r, Error) and r.code == "worker_lost" for r in ended.values())
+    wait_for(lambda: node.child_pids().get("decode-0", old_pid) != old_pid, timeout_s=10)
+    wait_for(lambda: "decode-0" in used_blocks(node), timeout_s=60, interval_s=0.2)
+    assert client.generate_many([prompts[5]], GREEDY)["r0"] == references["llama"].greedy(prompts[5])
+
+
+def test_sigterm_leaves_no_process_and_no_shared_memory_segment(node):
+    pids = node.child_pids()
+    assert set(pids) == {"controller", "gateway", "prefill-0", "decode-0"}
+    segments = list(Path("/dev/shm").glob(f"pdrt-{node.run_id}-*"))
+    assert segments, "the prefill worker's pool lives in shared memory"
+    assert node.stop() == 0
+    for pid in [*pids.values(), node.process.pid]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not any(p.exists() for p in segments)
