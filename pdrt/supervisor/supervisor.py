@@ -1,0 +1,228 @@
+"""The `pdrt up` supervisor: start a node's processes, keep them running, stop them in order.
+
+Life of a run:
+0. remove what runs whose supervisor was SIGKILLed left behind, and take
+   this run's lock (see leftovers.py);
+1. write the resolved config as JSON into a fresh run directory, and start
+   every process in `NodeConfig.process_names()` order (controller, workers,
+   gateway), each told the config's path and the run id by environment;
+2. monitor: every ~50 ms reap exited children and restart them with backoff
+   (their leftover shared memory removed first), and until the node is ready
+   ask the gateway whether every worker is alive;
+3. on SIGINT/SIGTERM/SIGHUP, on giving up, or on a readiness timeout: SIGTERM
+   the gateway first (it drains open requests), then the workers, then the
+   controller, each group waited for and SIGKILLed when late; a second signal
+   SIGKILLs everything at once. Then remove the run's shared memory and the
+   run directory.
+
+Signal handlers only count signals; all the work happens in the monitor loop
+of the main thread, so there is no reentrancy and no asyncio to reason about.
+"""
+
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from pdrt.node_config import NodeConfig
+from pdrt.supervisor import leftovers
+from pdrt.supervisor.child import Child, RestartPolicy, describe_exit
+from pdrt.supervisor.readiness import check_gateway
+
+log = structlog.get_logger(__name__)
+
+TICK_S = 0.05
+PROBE_INTERVAL_S = 0.5
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DEFAULT_POLICY = RestartPolicy()
+
+
+def default_command(name: str) -> list[str]:
+    return [sys.executable, "-m", "pdrt.process", name]
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(4)
+
+
+class Supervisor:
+    """Runs one node's processes until told to stop; `run()` returns the exit code.
+
+    `command_for(name)` gives the command of a process (tests pass small
+    scripts); `ready_timeout_s=None` skips the readiness check.
+    """
+
+    def __init__(self, config: NodeConfig, run_id: str, *, command_for: Callable[[str], list[str]] = default_command,
+                 policy: RestartPolicy = DEFAULT_POLICY, ready_timeout_s: float | None = 300.0,
+                 stop_timeout_s: float = 10.0) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.command_for = command_for
+        self.policy = policy
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.children: list[Child] = []
+        self.is_ready = False
+        self.failure: str | None = None  # why the run ended badly, for people
+        self._num_stop_requests = 0
+        self._stop_requests_at_shutdown = 0
+        self._log = log.bind(run_id=run_id)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [name for name in self.config.process_names() if name not in ("controller", "gateway")]
+
+    def request_stop(self) -> None:
+        """What a stop signal does; callable from another thread too. A second call escalates to SIGKILL."""
+        self._num_stop_requests += 1
+
+    def run(self) -> int:
+        previous = self._install_signal_handlers()
+        lock, run_dir = None, None
+        try:
+            swept = leftovers.sweep_dead_runs()
+            if swept:
+                self._log.info("removed what dead runs left behind", runs=swept)
+            lock = leftovers.lock_run(self.run_id)
+            run_dir = leftovers.make_run_dir(self.run_id)
+            self._start_all(run_dir / "node.json")
+            self._monitor()
+        except OSError as exc:
+            self.failure = f"cannot start the node: {exc}"
+        finally:
+            self._shutdown()
+            removed = leftovers.remove_segments(leftovers.run_prefix(self.run_id))
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            leftovers.unlock_run(self.run_id, lock)
+            self._log.info("node stopped", removed_segments=len(removed), failure=self.failure)
+            self._restore_signal_handlers(previous)
+        return 1 if self.failure else 0
+
+    def _start_all(self, config_path: Path) -> None:
+        config_path.write_bytes(self.config.to_json())
+        env = {**os.environ, "PDRT_NODE_CONFIG": str(config_path), "PDRT_RUN_ID": self.run_id}
+        self.children = [Child(name, self.command_for(name), env, self.policy)
+                         for name in self.config.process_names()]
+        self._log.info("starting node", mode=self.config.mode, processes=[c.name for c in self.children],
+                       config=str(config_path))
+        for child in self.children:
+            self._start(child, time.monotonic())
+
+    # -- monitoring -------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        started = time.monotonic()
+        next_probe = started
+        problem = "the gateway was never asked"
+        while not self._num_stop_requests:
+            now = time.monotonic()
+            for child in self.children:
+                if child.is_running:
+                    if child.poll() is not None:
+                        self._on_exit(child, now)
+                elif child.is_restart_due(now):
+                    self._start(child, now)
+            if self.failure:
+                return
+            if not self.is_ready and self.ready_timeout_s is not None:
+                if now >= next_probe:
+                    problem = check_gateway(self.config.gateway_address, self.worker_names)
+                    next_probe = time.monotonic() + PROBE_INTERVAL_S
+                    if problem is None:
+                        self._announce_ready()
+                        continue
+                if now - started >= self.ready_timeout_s:
+                    self.failure = f"not ready after {self.ready_timeout_s:g} s: {problem}"
+                    self._log.error("readiness timeout", problem=problem)
+                    return
+            time.sleep(TICK_S)
+
+    def _start(self, child: Child, now: float) -> None:
+        child.start(now)
+        self._log.info("process started", process=child.name, pid=child.pid, start=child.num_starts)
+
+    def _on_exit(self, child: Child, now: float) -> None:
+        status = describe_exit(child.proc.returncode)
+        removed = leftovers.remove_segments(leftovers.process_prefix(self.run_id, child.name))
+        delay = child.schedule_restart(now)
+        self._log.warning("process exited", process=child.name, pid=child.pid, status=status,
+                          uptime_s=round(now - child.started_at, 3), removed_segments=removed)
+        if delay is None:
+            self.failure = (f"{child.name} crashed {child.num_startup_crashes} times in a row within "
+                            f"{self.policy.stable_after_s:g} s of starting (last: {status}); giving up")
+            self._log.error("giving up", process=child.name, crashes=child.num_startup_crashes)
+        else:
+            self._log.info("restarting process", process=child.name, delay_s=delay,
+                           crashes=child.num_startup_crashes)
+
+    def _announce_ready(self) -> None:
+        self.is_ready = True
+        n = len(self.worker_names)
+        print(f"pdrt ready: {self.config.gateway_address} ({self.config.mode}, {n} workers)", flush=True)
+        self._log.info("node ready", gateway=self.config.gateway_address)
+
+    # -- shutdown ----------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Gateway first (it stops accepting and drains), then workers, then the controller."""
+        self._stop_requests_at_shutdown = self._num_stop_requests
+        by_name = {child.name: child for child in self.children}
+        gateway = [by_name["gateway"]] if "gateway" in by_name else []
+        controller = [by_name["controller"]] if "controller" in by_name else []
+        workers = [c for c in self.children if c.name not in ("gateway", "controller")]
+        self._log.info("stopping node")
+        self._stop_group(gateway, self.config.gateway.drain_timeout_s + self.stop_timeout_s)
+        self._stop_group(workers, self.stop_timeout_s)
+        self._stop_group(controller, self.stop_timeout_s)
+        for child in self.children:
+            if not child.reap(timeout_s=5.0):
+                self._log.error("process would not die", process=child.name, pid=child.pid)
+
+    def _is_escalated(self) -> bool:
+        return self._num_stop_requests > self._stop_requests_at_shutdown
+
+    def _stop_group(self, group: list[Child], timeout_s: float) -> None:
+        if self._is_escalated():
+            self._kill_all()
+            return
+        for child in group:
+            child.terminate()
+        deadline = time.monotonic() + timeout_s
+        while any(child.poll() is None for child in group if child.proc is not None):
+            if self._is_escalated():
+                self._log.warning("second stop signal: killing every process")
+                self._kill_all()
+                return
+            if time.monotonic() >= deadline:
+                late = [child.name for child in group if child.is_running]
+                self._log.warning("processes did not stop in time; killing them", processes=late,
+                                  timeout_s=timeout_s)
+                for child in group:
+                    child.kill()
+                return
+            time.sleep(TICK_S)
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            child.kill()
+
+    # -- signals -------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[int, object]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may set handlers; request_stop() still works
+        return {sig: signal.signal(sig, lambda signum, frame: self.request_stop()) for sig in STOP_SIGNALS}
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
