@@ -19,6 +19,10 @@ def configure_logging(process: str | None = None, level: int = logging.INFO) -> 
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
     if process is not None:
         structlog.contextvars.bind_contextvars(process=process)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advisory warnings from transformers in a server's log (imports transformers)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from pdrt.actors.loop import run
 from pdrt.errors import ConfigError, PdrtError
-from pdrt.logs import configure_logging
+from pdrt.logs import configure_logging, quiet_transformers
 from pdrt.node_config import NodeConfig
 
 log = structlog.get_logger(__name__)
@@ -42,6 +42,8 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
     ctx = zmq.asyncio.Context()
     incarnation = uuid.uuid4().hex[:8]
     role = _role(name)
+    if role != "controller":
+        quiet_transformers()
     try:
         if role == "controller":
             from pdrt.control_plane.controller import Controller
