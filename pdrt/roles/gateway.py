@@ -35,22 +35,21 @@ from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.model_loader import load_tokenizer
 from pdrt.errors import (
     DuplicateRequestError,
-    InvalidRequestError,
     MailboxFullError,
     PdrtError,
-    PromptTooLongError,
     RequestTimeoutError,
     UnavailableError,
     WorkerLostError,
 )
 from pdrt.node_config import NodeConfig
+from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.gateway_request import GatewayRequest
 from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.roles.prompt_renderer import PromptRenderer
 from pdrt.roles.router import Router
 from pdrt.wire import (
     MAX_CLIENT_FRAME_BYTES,
     PROTOCOL_VERSION,
-    RESERVED_TAGS,
     Abort,
     Cancel,
     ClusterView,
@@ -67,7 +66,6 @@ from pdrt.wire import (
     StepOutputs,
     WorkerInfo,
     WorkerStatus,
-    client_request_decoder,
     encode,
 )
 
@@ -80,18 +78,6 @@ TICK_S = 0.2
 HARD_FRAME_LIMIT = 8 * MAX_CLIENT_FRAME_BYTES
 
 
-def _peek(frame: bytes) -> tuple[str | None, str | None]:
-    """The tag and request id of a frame that failed to decode, when they can be read at all."""
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return None, None
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        request_id = raw[1] if len(raw) > 1 and isinstance(raw[1], str) else None
-        return raw[0], request_id
-    return None, None
-
-
 class Gateway(Actor):
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context) -> None:
         self.config = config
@@ -99,6 +85,7 @@ class Gateway(Actor):
         self.model_name = config.model.rstrip("/").rsplit("/", 1)[-1]
         self.tokenizer, context_length = load_tokenizer(config.model)
         self.max_model_len = min(config.engine.max_model_len or context_length, context_length)
+        self.prompts = PromptRenderer(self.tokenizer, self.max_model_len)
         self.clients = make_socket(ctx, SocketSpec(zmq.ROUTER, config.gateway_address, bind=True))
         self.clients.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
         self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver)
@@ -170,27 +157,10 @@ class Gateway(Actor):
     # -- client frames ----------------------------------------------------------------
 
     def _client_frame(self, identity: bytes, frames: list[bytes]) -> None:
-        if len(frames) != 1:
-            self._reply(identity, Error("invalid_frame", f"a client message is one frame, got {len(frames)}"))
-            return
-        frame = frames[0]
-        if len(frame) > MAX_CLIENT_FRAME_BYTES:
-            self._reply(identity, Error("invalid_frame", f"frame of {len(frame)} bytes exceeds the limit of "
-                                                         f"{MAX_CLIENT_FRAME_BYTES}"))
-            return
-        try:
-            message = client_request_decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            tag, request_id = _peek(frame)
-            if tag in RESERVED_TAGS:
-                self._reply(identity, Error("unsupported", f"{tag!r} is not supported by this server", request_id))
-            else:
-                self._reply(identity, Error("invalid_frame", f"malformed client frame: {exc}", request_id))
-            return
-        except PdrtError as exc:  # a struct's own validation, e.g. sampling parameters
-            self._reply(identity, Error(exc.code, str(exc), _peek(frame)[1]))
-            return
-        if isinstance(message, Hello):
+        message = decode_client_frames(frames)
+        if isinstance(message, Error):
+            self._reply(identity, message)
+        elif isinstance(message, Hello):
             self._hello(identity, message)
         elif identity not in self.handshaken:
             self._reply(identity, Error("handshake_required", "send Hello with the protocol version first"))
@@ -219,28 +189,6 @@ class Gateway(Actor):
         workers = [WorkerStatus(w.process_id, w.role, True, w.load) for w in self.router.workers.values()]
         return Status(sorted(workers, key=lambda w: w.process_id), len(self.by_client))
 
-    def _prompt_ids(self, message: Generate) -> list[int]:
-        given = [x is not None for x in (message.prompt, message.messages, message.token_ids)]
-        if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, messages or token_ids")
-        if message.token_ids is not None:
-            ids = message.token_ids
-            if any(t < 0 for t in ids):
-                raise InvalidRequestError("token ids must be non-negative")
-        elif message.prompt is not None:
-            ids = self.tokenizer(message.prompt)["input_ids"]
-        else:
-            if not self.tokenizer.chat_template:
-                raise InvalidRequestError("this model has no chat template; send a prompt instead of messages")
-            chat = [{"role": m.role, "content": m.content} for m in message.messages or []]
-            ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
-        if not ids:
-            raise InvalidRequestError("the prompt has no tokens")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                     f"{self.max_model_len} tokens, including at least one generated token")
-        return list(ids)
-
     def _generate(self, identity: bytes, message: Generate) -> None:
         if self.draining:
             raise UnavailableError("the server is shutting down")
@@ -248,7 +196,7 @@ class Gateway(Actor):
             raise DuplicateRequestError(f"request {message.request_id!r} is already open")
         if len(self.by_client) >= self.config.gateway.max_open_requests:
             raise UnavailableError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
-        ids = self._prompt_ids(message)
+        ids = self.prompts.render(message)
         timeout = message.timeout_s or self.config.gateway.request_timeout_s
         req = GatewayRequest.create(identity, message.request_id, ids, message.params, message.stream,
                                     time.monotonic() + timeout, self.tokenizer)
