@@ -79,10 +79,10 @@ def test_pool_too_small_for_the_batch_preempts_and_still_completes_correctly(mak
 
 def _handoff(prefill, decode, request_id, prompt, params, split):
     """Prefill `prompt` in two pieces on one engine, move its KV, decode on the other."""
-    prefill.add_prefill(request_id, prompt[:split], params, final=False)
+    prefill.add_draft(request_id, prompt[:split])
     while prefill.has_unfinished():
         assert prefill.step() == []
-    prefill.extend_prefill(request_id, prompt[split:], final=True)
+    prefill.submit_draft(request_id, split, prompt[split:], params)
     first = None
     while first is None:
         for out in prefill.step():

@@ -11,6 +11,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # with 512 prefill tokens stalls about 2.6x less than one with a whole 2048-token
 # prompt. Colocated deployments that weigh TPOT over TTFT can lower it.
 DEFAULT_PREFILL_CHUNK = 512
+# A draft's stable tokens are prefilled once this many are waiting: fewer per
+# chunk would re-gather the draft's context for little work each time.
+DEFAULT_MIN_DRAFT_CHUNK = 128
 
 
 @dataclass(slots=True)
@@ -36,6 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     num_threads: int | None = None
+    min_draft_chunk: int = DEFAULT_MIN_DRAFT_CHUNK
+    max_draft_tokens: int | None = None  # per draft; None: the context length
+    max_draft_pool_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         positive = {
@@ -44,6 +50,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_prefill_chunk_size": self.max_prefill_chunk_size,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "min_draft_chunk": self.min_draft_chunk,
         }
         for name, value in positive.items():
             if value < 1:
@@ -54,5 +61,9 @@ class EngineConfig:
             raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not (0.0 <= self.max_draft_pool_fraction <= 1.0):
+            raise InvalidRequestError(f"max_draft_pool_fraction must be in [0, 1], got {self.max_draft_pool_fraction}")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
+            raise InvalidRequestError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")

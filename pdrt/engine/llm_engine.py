@@ -3,9 +3,10 @@
 Three ways in, one per kind of worker:
 
 * colocated: `add_request`, then `step` until `has_unfinished` is False;
-* prefill-only: `add_prefill` (and `extend_prefill` as more of the prompt
-  arrives), `step`; the output carrying the first token also carries the
-  block ids of the prompt KV, kept until `release`;
+* prefill-only: `add_prefill`, `step`; the output carrying the first token
+  also carries the block ids of the prompt KV, kept until `release`;
+* a prompt still being typed: `add_draft`, `update_draft` as it changes,
+  `submit_draft` when it is complete (then as either of the above);
 * decode from imported KV: `reserve_import` returns the blocks to fill,
   `commit_import` starts decoding after the first token.
 """
@@ -25,7 +26,7 @@ from pdrt.engine.model_runner import ModelRunner
 from pdrt.engine.outputs import ImportReservation, RequestOutput
 from pdrt.engine.sampler import Sampler
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.engine.scheduler import ScheduledBatch, Scheduler
+from pdrt.engine.scheduler import DraftLimits, ScheduledBatch, Scheduler
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceMode, SequenceStatus
 from pdrt.errors import (
     DuplicateRequestError,
@@ -38,6 +39,9 @@ from pdrt.errors import (
 )
 
 log = structlog.get_logger(__name__)
+
+# A draft is never sampled before it is submitted; these only satisfy the checks until then.
+DRAFT_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class LLMEngine:
@@ -66,13 +70,19 @@ class LLMEngine:
                  capacity_tokens=self.pool.capacity_tokens, bytes=self.pool.num_bytes, dtype=str(layout.dtype))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.hash_seed)
+        max_draft_tokens = min(config.max_draft_tokens or self.max_model_len, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk_size)
+                                   config.max_prefill_chunk_size,
+                                   DraftLimits(config.min_draft_chunk, max_draft_tokens,
+                                               int(num_blocks * config.max_draft_pool_fraction)))
         self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}
         self.num_computed_prompt_tokens = 0
         self.last_step_ran = False  # False when the last step found nothing it could schedule
+        self.num_draft_rollbacks = 0
+        self.num_draft_tokens_rolled_back = 0
+        self.num_draft_tokens_ahead = 0  # draft tokens whose KV was computed before submit
 
     @property
     def capacity_tokens(self) -> int:
@@ -119,25 +129,71 @@ class LLMEngine:
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    final: bool = True) -> None:
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Prefill-only: compute the prompt KV and the first token, then hold the blocks."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.PREFILL_ONLY, final)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.PREFILL_ONLY)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
-    def extend_prefill(self, request_id: str, token_ids: list[int], final: bool = True) -> None:
-        """Append the next piece of a prefill-only prompt; `final` marks the last piece."""
+    # -- drafts: prompts still being typed ----------------------------------------
+
+    def add_draft(self, request_id: str, token_ids: list[int], colocated: bool = False) -> None:
+        """Start prefilling the stable part of a prompt that is still being typed.
+
+        A draft's tokens are computed in chunks of at least `min_draft_chunk`,
+        after every submitted request's work, within the draft caps. It is
+        sampled only after `submit_draft`; then it goes on as a prefill-only
+        request (or, `colocated`, decodes here).
+        """
+        mode = SequenceMode.COLOCATED if colocated else SequenceMode.PREFILL_ONLY
+        seq = self._new_sequence(request_id, token_ids, DRAFT_PARAMS, mode, prompt_is_final=False)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def update_draft(self, request_id: str, num_kept: int, new_token_ids: list[int]) -> None:
+        """Keep the draft's first `num_kept` tokens and append `new_token_ids`.
+
+        Dropping tokens whose KV is computed rolls the draft back: its blocks
+        are freed and it is scheduled again, and the prefix cache gives back
+        every full block of the kept prefix, so only the rest is recomputed.
+        """
+        seq = self._get_draft(request_id)
+        self._check_prompt(new_token_ids, num_kept + len(new_token_ids), num_kept + len(new_token_ids))
+        if num_kept < 1 and not new_token_ids:
+            raise InvalidRequestError("a draft cannot become empty; abort it instead")
+        if num_kept > seq.num_tokens:
+            raise InvalidRequestError(f"draft {request_id!r} has {seq.num_tokens} tokens, cannot keep {num_kept}")
+        if num_kept < seq.num_computed_tokens:
+            self.num_draft_rollbacks += 1
+            self.num_draft_tokens_rolled_back += seq.num_computed_tokens - num_kept
+            self.scheduler.remove(seq)
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+            self.scheduler.add(seq)
+        del seq.token_ids[num_kept:]
+        seq.token_ids.extend(new_token_ids)
+        seq.num_prompt_tokens = seq.num_tokens
+
+    def submit_draft(self, request_id: str, num_kept: int, new_token_ids: list[int], params: SamplingParams) -> None:
+        """The prompt is complete: its last tokens and the sampling parameters arrive; it is a request now."""
+        seq = self._get_draft(request_id)
+        total = num_kept + len(new_token_ids)
+        self._check_prompt(new_token_ids, total, total + params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise InvalidSamplingParamsError("stop strings need a tokenizer, and this model has none")
+        self.num_draft_tokens_ahead += min(num_kept, seq.num_computed_tokens)
+        self.update_draft(request_id, num_kept, new_token_ids)
+        seq.params = params
+        seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.prompt_is_final = True
+        if params.stop:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
+
+    def _get_draft(self, request_id: str) -> Sequence:
         seq = self._get(request_id)
-        if seq.mode is not SequenceMode.PREFILL_ONLY or seq.prompt_is_final:
-            raise InvalidRequestError(f"request {request_id!r} is not an unfinished prefill")
-        total = seq.num_tokens + len(token_ids)
-        self._check_prompt(token_ids, total, total + seq.params.max_tokens)
-        seq.token_ids.extend(token_ids)
-        seq.num_prompt_tokens = total
-        seq.prompt_is_final = final
-        if seq.detokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop)
+        if seq.prompt_is_final:
+            raise InvalidRequestError(f"request {request_id!r} is not a draft")
+        return seq
 
     def release(self, request_id: str) -> None:
         """Free the KV of a held prefill (the decode worker has it now)."""

@@ -25,20 +25,32 @@ class ScheduledBatch:
         return self.decode_samples + self.prefill_samples
 
 
+@dataclass(frozen=True, slots=True)
+class DraftLimits:
+    """How much of a step and of the pool prompts still being typed may take."""
+
+    min_chunk: int = 128  # a draft's chunk waits until this many stable tokens are pending
+    max_tokens_per_draft: int = 1 << 30
+    max_blocks: int = 1 << 30  # all drafts together
+
+
 class Scheduler:
     """Token-budgeted continuous batching with chunked prefill and preemption by recompute.
 
-    Each step it first serves the running sequences in arrival order: a
-    decode costs one token, an unfinished prompt a chunk of at most
-    `max_prefill_chunk_size`. When the pool has no block for a running
-    sequence, the most recently admitted one is preempted (its blocks freed,
-    its tokens kept, it goes back to the front of the queue to be recomputed).
-    The remaining budget admits waiting sequences, reusing any cached prefix.
+    Each step it first serves the running sequences in arrival order, drafts
+    (prompts still being typed) after everything else: a decode costs one
+    token, an unfinished prompt a chunk of at most `max_prefill_chunk_size`.
+    When the pool has no block for a running sequence, a sequence not yet
+    served this step is preempted, a draft first, else the most recently
+    admitted one (its blocks freed, its tokens kept, back to the front of the
+    queue to be recomputed). The remaining budget admits waiting sequences,
+    submitted ones before drafts, reusing any cached prefix.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk_size: int) -> None:
+                 max_prefill_chunk_size: int, draft_limits: DraftLimits | None = None) -> None:
         self.block_manager = block_manager
+        self.draft_limits = draft_limits or DraftLimits()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk_size = max_prefill_chunk_size
@@ -63,7 +75,8 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """True when a step would do something (a prompt still arriving is not work yet)."""
-        return bool(self.waiting) or any(self._num_computable(s) > s.num_computed_tokens for s in self.running)
+        budget = self.max_num_batched_tokens
+        return bool(self.waiting) or any(self._num_new_tokens(s, budget) > 0 for s in self.running)
 
     def _num_computable(self, seq: Sequence) -> int:
         # An unfinished prompt keeps its last token back, so that the step
@@ -72,7 +85,23 @@ class Scheduler:
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = self._num_computable(seq) - seq.num_computed_tokens
+        if seq.is_draft:
+            limits = self.draft_limits
+            n = min(n, limits.max_tokens_per_draft - seq.num_computed_tokens)
+            num_draft_blocks = sum(len(s.block_table) for s in self.running if s.is_draft)
+            room = (limits.max_blocks - num_draft_blocks) * self.block_manager.block_size
+            n = min(n, room + len(seq.block_table) * self.block_manager.block_size - seq.num_computed_tokens)
+            if n < min(limits.min_chunk, self.max_prefill_chunk_size, budget):
+                return 0
         return max(0, min(n, self.max_prefill_chunk_size, budget))
+
+    def _victim(self, seq: Sequence, served: set[int]) -> Sequence:
+        """Whom to preempt so that `seq` fits: not one served this step; a draft first, then the newest."""
+        candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in served]
+        for candidate in candidates:
+            if candidate.is_draft:
+                return candidate
+        return candidates[0] if candidates else seq
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -98,16 +127,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         manager = self.block_manager
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        served: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.is_draft):  # stable: arrival order within each kind
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             n = self._num_new_tokens(seq, budget)
             if n == 0:
-                i += 1
                 continue
             num_new_blocks = manager.num_new_blocks(seq, n)
             while num_new_blocks > manager.num_free_blocks:
-                victim = self.running[-1]
+                victim = self._victim(seq, served)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -116,10 +147,10 @@ class Scheduler:
                 if num_new_blocks:
                     manager.allocate(seq, n)
                 self._place(batch, seq, n)
+                served.add(id(seq))
                 budget -= n
-                i += 1
-                continue
-            break  # `seq` itself was preempted; it was the last running sequence
+        if any(s.is_draft for s in self.waiting):  # submitted requests are admitted first
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.is_draft))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:

@@ -64,6 +64,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def is_draft(self) -> bool:
+        """A prompt still being typed: prefilled ahead, never sampled until it is submitted."""
+        return not self.prompt_is_final
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
