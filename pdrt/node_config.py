@@ -67,6 +67,10 @@ class EngineSettings(_Table):
     dtype: str = "auto"
     device: str = "cpu"
     kv_lease_s: float = 30.0  # how long a prefill worker holds handed-off KV without an acknowledgement
+    min_draft_chunk: int = 128  # type-ahead: prefill a draft once this many stable tokens wait
+    max_draft_tokens: int | None = None  # per draft (default: the context length)
+    max_draft_pool_fraction: float = 0.5  # of the KV pool, for all drafts together
+    draft_ttl_s: float = 60.0  # a draft without updates for this long is dropped
 
 
 class WorkerGroup(_Table):
@@ -141,7 +145,8 @@ class NodeConfig(_Table):
                             kv_cache_memory_bytes=e.kv_cache_bytes, max_model_len=e.max_model_len,
                             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_prefill_chunk_size=e.max_prefill_chunk_size, hash_seed=e.hash_seed,
-                            num_threads=self.threads_for(role))
+                            num_threads=self.threads_for(role), min_draft_chunk=e.min_draft_chunk,
+                            max_draft_tokens=e.max_draft_tokens, max_draft_pool_fraction=e.max_draft_pool_fraction)
 
     # -- (de)serialization ------------------------------------------------------
 

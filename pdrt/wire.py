@@ -6,7 +6,10 @@ Two protocols share this module:
   one way, `ClientReply` the other. A client opens with `Hello`; the gateway
   answers `Ready` when the protocol versions match and `Error` otherwise, and
   answers every later frame from a client that has not said `Hello` with an
-  `Error` (code "handshake_required"). docs/protocol.md lays it out.
+  `Error` (code "handshake_required"). Besides one-shot `Generate`, a prompt
+  can stream in while it is typed (`DraftOpen`, `DraftAppend`,
+  `DraftReplace`, then `DraftSubmit` or `DraftAbandon`). docs/protocol.md
+  lays it out.
 * the **internal protocol** between gateway, controller and workers
   (`InternalMessage`). Every process registers with the controller, which
   checks its protocol version, so two processes only ever talk after both
@@ -53,7 +56,9 @@ class Generate(msgspec.Struct, **_struct("generate")):
     `request_id` is chosen by the client and unique among its open requests.
     With `stream`, every batch of new tokens comes as a `Tokens` frame; without
     it, one `Tokens` frame carries everything at the end. `timeout_s` bounds
-    the whole request; the gateway's default applies when it is None.
+    the whole request; the gateway's default applies when it is None. A chat
+    request with a `session_id` is remembered (its messages and the answer),
+    so that a warmup of that session can prefill the conversation so far.
     """
 
     request_id: str
@@ -63,6 +68,7 @@ class Generate(msgspec.Struct, **_struct("generate")):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = True
     timeout_s: float | None = None
+    session_id: str = ""
 
 
 class Cancel(msgspec.Struct, **_struct("cancel")):
@@ -73,12 +79,54 @@ class GetStatus(msgspec.Struct, **_struct("get_status")):
     pass
 
 
-# Tags reserved for streaming input (open a draft, append text, replace its
-# tail, submit, abandon). A gateway that does not implement them answers
-# `Error(code="unsupported")`, so clients can probe for the feature.
-RESERVED_TAGS = frozenset({"draft_open", "draft_append", "draft_replace", "draft_submit", "draft_abandon"})
+class DraftOpen(msgspec.Struct, **_struct("draft_open")):
+    """Start a prompt that the user is still typing; the server may prefill its stable part before submit.
 
-ClientRequest = Hello | Generate | Cancel | GetStatus
+    With `messages` (the conversation so far, possibly empty) the typed text
+    becomes the next user message under the chat template; with None it is
+    a plain prompt. `draft_id` is the client's, unique among its open drafts.
+    """
+
+    draft_id: str
+    messages: list[ChatMessage] | None = None
+    session_id: str = ""
+
+
+class DraftAppend(msgspec.Struct, **_struct("draft_append")):
+    draft_id: str
+    text: str
+
+
+class DraftReplace(msgspec.Struct, **_struct("draft_replace")):
+    """Keep the first `num_kept_chars` characters of the draft and append `text` (edits, backspace)."""
+
+    draft_id: str
+    num_kept_chars: int
+    text: str = ""
+
+
+class DraftSubmit(msgspec.Struct, **_struct("draft_submit")):
+    """The draft is complete: generate from it as `request_id`, exactly as a `Generate` of its final text would."""
+
+    draft_id: str
+    request_id: str
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = True
+    timeout_s: float | None = None
+
+
+class DraftAbandon(msgspec.Struct, **_struct("draft_abandon")):
+    draft_id: str
+
+
+class Warmup(msgspec.Struct, **_struct("warmup")):
+    """The user focused the input of `session_id`: the native-protocol twin of the UDP warmup datagram."""
+
+    session_id: str
+
+
+ClientRequest = (Hello | Generate | Cancel | GetStatus | DraftOpen | DraftAppend | DraftReplace | DraftSubmit
+                 | DraftAbandon | Warmup)
 
 
 class Ready(msgspec.Struct, **_struct("ready")):
@@ -127,8 +175,11 @@ class WorkerStatus(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class Status(msgspec.Struct, **_struct("status")):
+    """Workers as the gateway sees them, and the gateway's counters (name -> value)."""
+
     workers: list[WorkerStatus]
     num_open_requests: int = 0
+    counters: dict[str, int] = {}
 
 
 ClientReply = Ready | Tokens | Error | Status
@@ -147,6 +198,9 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     num_blocks: int = 0
     num_used_blocks: int = 0
     num_waiting_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens_ahead: int = 0  # draft tokens whose KV was ready before their submit, since start
+    num_draft_rollbacks: int = 0
 
 
 class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
@@ -223,6 +277,33 @@ class PrefillRequest(msgspec.Struct, **_struct("prefill")):
     decode_address: str = ""
 
 
+class DraftUpdate(msgspec.Struct, **_struct("draft_update")):
+    """Gateway -> prefill (or colocated) worker: the draft keeps `num_kept` tokens and gains `token_ids`.
+
+    The first update of a draft creates it. `colocated` drafts decode where
+    they were prefilled once submitted.
+    """
+
+    draft_id: str
+    num_kept: int
+    token_ids: list[int]
+    colocated: bool = False
+
+
+class DraftSubmitted(msgspec.Struct, **_struct("draft_submitted")):
+    """Gateway -> worker: the draft's final tokens (all of them) and parameters; from here on it is a request.
+
+    The whole prompt travels, not a delta, so a worker that lost the draft
+    (expired, or restarted) still serves the request from scratch.
+    """
+
+    draft_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    reply_to: str
+    decode_address: str = ""
+
+
 class KVHandoff(msgspec.Struct, **_struct("kv_handoff")):
     """Prefill -> decode: the prompt KV is ready to pull; decode continues after `first_token`.
 
@@ -268,7 +349,7 @@ class RequestFailed(msgspec.Struct, **_struct("request_failed")):
 
 
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | PrefillRequest
-                   | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error)
+                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)

@@ -10,21 +10,20 @@ frame can be read far enough to find one, so the client can match it.
 import msgspec
 
 from pdrt.errors import PdrtError
-from pdrt.wire import MAX_CLIENT_FRAME_BYTES, RESERVED_TAGS, Error, client_request_decoder
+from pdrt.wire import MAX_CLIENT_FRAME_BYTES, Error, client_request_decoder
 
 _loose = msgspec.msgpack.Decoder()
 
 
-def _peek(frame: bytes) -> tuple[str | None, str | None]:
-    """The tag and request id of a frame that failed to decode, when they can be read at all."""
+def _peek(frame: bytes) -> str | None:
+    """The request (or draft) id of a frame that failed to decode, when it can be read at all."""
     try:
         raw = _loose.decode(frame)
     except msgspec.DecodeError:
-        return None, None
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        request_id = raw[1] if len(raw) > 1 and isinstance(raw[1], str) else None
-        return raw[0], request_id
-    return None, None
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str):
+        return raw[1]
+    return None
 
 
 def decode_client_frames(frames: list[bytes]) -> object:
@@ -37,9 +36,6 @@ def decode_client_frames(frames: list[bytes]) -> object:
     try:
         return client_request_decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        tag, request_id = _peek(frame)
-        if tag in RESERVED_TAGS:
-            return Error("unsupported", f"{tag!r} is not supported by this server", request_id)
-        return Error("invalid_frame", f"malformed client frame: {exc}", request_id)
+        return Error("invalid_frame", f"malformed client frame: {exc}", _peek(frame))
     except PdrtError as exc:  # a struct's own validation, e.g. sampling parameters
-        return Error(exc.code, str(exc), _peek(frame)[1])
+        return Error(exc.code, str(exc), _peek(frame))

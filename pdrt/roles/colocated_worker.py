@@ -11,7 +11,7 @@ short prompts.
 import structlog
 
 from pdrt.roles.engine_worker import EngineWorker
-from pdrt.wire import Abort, PrefillRequest
+from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, PrefillRequest
 
 log = structlog.get_logger(__name__)
 
@@ -24,9 +24,17 @@ class ColocatedWorker(EngineWorker):
             rid = message.request_id
             self.reply_to[rid] = message.reply_to
             self.queue_op(rid, lambda: self.engine.add_request(rid, message.token_ids, message.params))
+        elif isinstance(message, DraftUpdate):
+            self.draft_update(message)
+        elif isinstance(message, DraftSubmitted):
+            self.draft_submitted(message)
         elif isinstance(message, Abort):
             rid = message.request_id
+            self.drafts.pop(rid, None)
             self.reply_to.pop(rid, None)
             self.queue_op(rid, lambda: self.engine.abort(rid))
         else:
             log.warning("colocated worker ignored a message", message=type(message).__name__)
+
+    def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
+        self.engine.add_request(request_id, submitted.token_ids, submitted.params)

@@ -13,9 +13,15 @@ loop. The engine loop runs in three steps, like vLLM's busy loop:
 
 An op that raises a `PdrtError` ends its request with a `RequestFailed` to
 the gateway; it never takes the worker down.
+
+Drafts (prompts still being typed) are handled here for every role that
+prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
+a request (`on_submitted` lets the role record what it needs), and a draft
+left without updates for `draft_ttl_s` is dropped with all its blocks.
 """
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +37,8 @@ from pdrt.engine.outputs import RequestOutput
 from pdrt.errors import PdrtError
 from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Inbox, Outbox
-from pdrt.wire import Load, RequestFailed, StepOutputs
+from pdrt.typeahead.draft_tokenizer import common_prefix_len
+from pdrt.wire import DraftSubmitted, DraftUpdate, Load, RequestFailed, StepOutputs
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +61,8 @@ class EngineWorker(Actor):
         self.ops: deque[tuple[str, Callable[[], None]]] = deque()
         self.wake = asyncio.Event()
         self.reply_to: dict[str, str] = {}  # request id -> the inbox of the gateway that sent it
+        self.drafts: dict[str, float] = {}  # draft id -> time of its last update
+        self.draft_ttl_s = config.engine.draft_ttl_s
         self._load = Load()
         self._ref: ActorRef | None = None
 
@@ -73,6 +82,60 @@ class EngineWorker(Actor):
         log.info("request failed", request_id=request_id, code=exc.code, error=str(exc))
         if reply_to is not None:
             self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), retryable))
+
+    # -- drafts ---------------------------------------------------------------------
+
+    def draft_update(self, update: DraftUpdate) -> None:
+        did = update.draft_id
+        if did not in self.drafts and update.num_kept != 0:
+            return  # an edit of a draft this worker lost: its submit starts afresh
+        self.drafts[did] = time.monotonic()
+
+        def apply() -> None:
+            if did not in self.drafts:
+                return  # abandoned or submitted since
+            if did in self.engine.sequences:
+                self.engine.update_draft(did, update.num_kept, update.token_ids)
+            elif update.num_kept == 0 and update.token_ids:
+                self.engine.add_draft(did, update.token_ids, colocated=update.colocated)
+            else:
+                self.drafts.pop(did, None)  # lost (expired, failed): its submit will start afresh
+
+        self.queue_op(did, apply)
+
+    def draft_submitted(self, submitted: DraftSubmitted) -> None:
+        did = submitted.draft_id
+        self.drafts.pop(did, None)
+        self.reply_to[did] = submitted.reply_to
+        self.on_submitted(submitted)
+
+        def apply() -> None:
+            seq = self.engine.sequences.get(did)
+            if seq is not None and seq.is_draft:
+                kept = common_prefix_len(seq.token_ids, submitted.token_ids)
+                self.engine.submit_draft(did, kept, submitted.token_ids[kept:], submitted.params)
+            else:
+                self.add_submitted(did, submitted)
+
+        self.queue_op(did, apply)
+
+    def on_submitted(self, submitted: DraftSubmitted) -> None:
+        """A draft became a request; called before its op runs."""
+
+    def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
+        """Start a submitted draft that this worker does not hold (any more) as a new request."""
+        raise NotImplementedError
+
+    def drop_draft(self, draft_id: str) -> None:
+        if self.drafts.pop(draft_id, None) is not None:
+            self.queue_op(draft_id, lambda: self.engine.abort(draft_id))
+
+    def _expire_drafts(self) -> None:
+        cutoff = time.monotonic() - self.draft_ttl_s
+        for draft_id in [d for d, t in self.drafts.items() if t < cutoff]:
+            log.info("draft expired", draft_id=draft_id)
+            self.drafts.pop(draft_id)
+            self.engine.abort(draft_id)
 
     # -- the engine loop ----------------------------------------------------------
 
@@ -103,6 +166,7 @@ class EngineWorker(Actor):
                     await self._wait(0.01)
             else:
                 await self._wait(IDLE_WAIT_S)
+            self._expire_drafts()
             self.after_step()
             self._load = self._measure_load()
 
@@ -128,7 +192,8 @@ class EngineWorker(Actor):
         waiting_tokens += sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in scheduler.running)
         num_held = len(self.engine.sequences) - len(scheduler.waiting) - len(scheduler.running)
         return Load(len(scheduler.waiting), len(scheduler.running), num_held, num_free, blocks.num_blocks,
-                    blocks.num_blocks - num_free, waiting_tokens)
+                    blocks.num_blocks - num_free, waiting_tokens, len(self.drafts),
+                    self.engine.num_draft_tokens_ahead, self.engine.num_draft_rollbacks)
 
     def load(self) -> Load:
         return self._load

@@ -2,9 +2,10 @@
 
 Life cycle of a request in this worker:
 
-1. `PrefillRequest` from a gateway -> `engine.add_prefill`; the request
-   waits in the scheduler, then its prompt runs in chunks, batched with other
-   requests' chunks under the token budget;
+1. `PrefillRequest` from a gateway -> `engine.add_prefill` (or a draft,
+   prefilled while it was typed, is submitted); the request waits in the
+   scheduler, then its prompt runs in chunks, batched with other requests'
+   chunks under the token budget;
 2. the step that samples the first token sends it straight to the gateway
    (TTFT does not wait for the KV transfer); if that token already ends the
    request, nothing more happens;
@@ -27,7 +28,7 @@ from pdrt.engine.outputs import RequestOutput
 from pdrt.node_config import NodeConfig
 from pdrt.roles.engine_worker import EngineWorker
 from pdrt.transport import TransferBackend, make_source
-from pdrt.wire import Abort, KVAck, KVHandoff, PrefillRequest
+from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, KVAck, KVHandoff, PrefillRequest
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +51,12 @@ class PrefillWorker(EngineWorker):
         elif isinstance(message, KVAck):
             if message.request_id in self.held:
                 self.queue_op(message.request_id, lambda rid=message.request_id: self._release(rid))
+        elif isinstance(message, DraftUpdate):
+            self.draft_update(message)
+        elif isinstance(message, DraftSubmitted):
+            self.draft_submitted(message)
         elif isinstance(message, Abort):
+            self.drop_draft(message.request_id)
             if self.requests.pop(message.request_id, None) is not None:
                 self.reply_to.pop(message.request_id, None)
                 self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
@@ -70,6 +76,13 @@ class PrefillWorker(EngineWorker):
                 raise
 
         self.queue_op(rid, add)
+
+    def on_submitted(self, submitted: DraftSubmitted) -> None:
+        self.requests[submitted.draft_id] = PrefillRequest(submitted.draft_id, submitted.token_ids, submitted.params,
+                                                           submitted.reply_to, submitted.decode_address)
+
+    def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
+        self.engine.add_prefill(request_id, submitted.token_ids, submitted.params)
 
     def emit(self, outputs: list[RequestOutput]) -> None:
         super().emit(outputs)  # first tokens go to the gateways before any handoff

@@ -1,0 +1,43 @@
+"""The UDP endpoint beside the gateway: datagrams in, accepted session ids out to a callback."""
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from pdrt.warmup.guard import WarmupGuard
+
+log = structlog.get_logger(__name__)
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, guard: WarmupGuard, on_warmup: Callable[[str], None]) -> None:
+        self.guard = guard
+        self.on_warmup = on_warmup
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        session_id = self.guard.check(data, addr[0])
+        if session_id is not None:
+            self.on_warmup(session_id)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("warmup socket error", error=str(exc))
+
+
+class WarmupListener:
+    def __init__(self, host: str, port: int, guard: WarmupGuard, on_warmup: Callable[[str], None]) -> None:
+        self.host, self.port = host, port
+        self.guard = guard
+        self.on_warmup = on_warmup
+        self.transport: asyncio.DatagramTransport | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport, _ = await loop.create_datagram_endpoint(
+            lambda: _Protocol(self.guard, self.on_warmup), local_addr=(self.host, self.port))
+        self.port = self.transport.get_extra_info("sockname")[1]
+        log.info("warmup listening", address=f"udp://{self.host}:{self.port}")
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
