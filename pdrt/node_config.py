@@ -11,6 +11,10 @@ variables and then by command-line flags. Every table and key is optional:
     [gateway]
     port = 7100
 
+    [warmup]                                  # UDP warmup channel, off without a key
+    port = 7102
+    key = "a long random secret"
+
     [controller]
     port = 7101
 
@@ -46,8 +50,19 @@ class _Table(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 class GatewayConfig(_Table):
     port: int = 7100
     max_open_requests: int = 1024
+    max_drafts: int = 1024
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0
+
+
+class WarmupConfig(_Table):
+    """The UDP warmup channel; it is off while `key` is empty (set it, or PDRT_WARMUP_KEY)."""
+
+    port: int = 7102
+    key: str = ""
+    ttl_s: float = 10.0  # how long a warmup holds its prefill
+    max_reservations: int = 64
+    max_age_s: float = 5.0  # older datagrams are stale
 
 
 class ControllerConfig(_Table):
@@ -85,6 +100,7 @@ class NodeConfig(_Table):
     transfer: str = "shm"
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+    warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefill: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
     decode: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
@@ -175,6 +191,8 @@ ENVIRONMENT = {
     "PDRT_CONTROLLER_PORT": ("controller", "port"),
     "PDRT_KV_CACHE_BYTES": ("engine", "kv_cache_bytes"),
     "PDRT_PREFILL_CHUNK": ("engine", "max_prefill_chunk_size"),
+    "PDRT_WARMUP_KEY": ("warmup", "key"),
+    "PDRT_WARMUP_PORT": ("warmup", "port"),
 }
 
 
@@ -197,7 +215,7 @@ def load_node_config(path: str | None = None, overrides: dict[tuple[str, ...], o
     for name, key in ENVIRONMENT.items():
         if name in environ:
             value: object = environ[name]
-            if key[-1] in ("port", "kv_cache_bytes", "max_prefill_chunk_size"):
+            if key[-1] in ("port", "kv_cache_bytes", "max_prefill_chunk_size"):  # also the warmup port
                 try:
                     value = int(str(value))
                 except ValueError:

@@ -15,6 +15,12 @@ Life cycle of a request in the gateway:
    (a new attempt, so late outputs of the old one are ignored); the others
    end with `Error("worker_lost")`. Every request has a deadline.
 
+Type-ahead: a draft (`DraftOpen`, appends and edits) is prefilled on one
+worker while it is typed (see `DraftBook`); `DraftSubmit` sends its final
+tokens there and it goes on as step 3. Warmup (UDP or `Warmup`): the
+session's remembered conversation is prefilled on a worker for a TTL, and
+the session's next request or draft is routed to that worker.
+
 On shutdown the gateway stops admitting, lets open requests finish for up to
 the drain timeout, then ends the rest with an error.
 """
@@ -22,7 +28,7 @@ the drain timeout, then ends the rest with an error.
 import asyncio
 import itertools
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import msgspec
 import structlog
@@ -47,12 +53,25 @@ from pdrt.roles.gateway_request import GatewayRequest
 from pdrt.roles.messaging import Inbox, Outbox
 from pdrt.roles.prompt_renderer import PromptRenderer
 from pdrt.roles.router import Router
+from pdrt.typeahead.draft_book import DraftBook, GatewayDraft
+from pdrt.typeahead.draft_tokenizer import DraftTokenizer
+from pdrt.typeahead.sessions import SessionStore
+from pdrt.warmup.guard import WarmupGuard
+from pdrt.warmup.listener import WarmupListener
+from pdrt.warmup.reservations import Reservations
 from pdrt.wire import (
     MAX_CLIENT_FRAME_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Cancel,
     ClusterView,
+    DraftAbandon,
+    DraftAppend,
+    DraftOpen,
+    DraftReplace,
+    DraftSubmit,
+    DraftSubmitted,
+    DraftUpdate,
     Error,
     Generate,
     GetStatus,
@@ -64,6 +83,7 @@ from pdrt.wire import (
     RequestFailed,
     Status,
     StepOutputs,
+    Warmup,
     WorkerInfo,
     WorkerStatus,
     encode,
@@ -99,13 +119,35 @@ class Gateway(Actor):
         self.unrouted: deque[GatewayRequest] = deque()
         self.ids = itertools.count()
         self.draining = False
+        self.counters: Counter[str] = Counter()
+        self.prefill_role = "colocated" if config.mode == "colocated" else "prefill"
+        self.drafts = DraftBook(self.tokenizer, self.max_model_len, self.router, self.outbox, self.prefill_role,
+                                config.gateway.max_drafts, config.engine.draft_ttl_s, self._new_id, self.counters)
+        self.sessions = SessionStore()
+        self.reservations = Reservations(config.warmup.max_reservations, config.warmup.ttl_s)
+        self.warmup_guard: WarmupGuard | None = None
+        self.warmup_listener: WarmupListener | None = None
+        if config.warmup.key:
+            self.warmup_guard = WarmupGuard(config.warmup.key.encode(), self.model_name, config.warmup.max_age_s)
+            self.warmup_listener = WarmupListener(config.host, config.warmup.port, self.warmup_guard,
+                                                  self._warmup_datagram)
         self._ref: ActorRef | None = None
+
+    def _new_id(self) -> str:
+        return f"{self.process_id}-{next(self.ids)}"
 
     # -- plumbing -------------------------------------------------------------------
 
     async def _deliver(self, message: object) -> None:
         assert self._ref is not None
         await self._ref.deliver(message)
+
+    def _warmup_datagram(self, session_id: str) -> None:
+        assert self._ref is not None
+        try:
+            self._ref.tell(Warmup(session_id))
+        except MailboxFullError:
+            self.counters["warmups_dropped_busy"] += 1
 
     def _from_controller(self, message: object) -> None:
         assert self._ref is not None
@@ -141,6 +183,8 @@ class Gateway(Actor):
             self._outputs(message)
         elif isinstance(message, RequestFailed):
             self._failed(message)
+        elif isinstance(message, Warmup):
+            self._warmup(message.session_id)
         elif isinstance(message, ClusterView):
             for worker in self.router.update(message.workers):
                 self._worker_lost(worker)
@@ -164,15 +208,34 @@ class Gateway(Actor):
             self._hello(identity, message)
         elif identity not in self.handshaken:
             self._reply(identity, Error("handshake_required", "send Hello with the protocol version first"))
-        elif isinstance(message, Generate):
-            try:
-                self._generate(identity, message)
-            except PdrtError as exc:
-                self._reply(identity, Error(exc.code, str(exc), message.request_id))
         elif isinstance(message, Cancel):
             self._cancel(identity, message.request_id)
         elif isinstance(message, GetStatus):
             self._reply(identity, self.status())
+        elif isinstance(message, Warmup):
+            self._warmup(message.session_id)
+        else:
+            try:
+                self._client_request(identity, message)
+            except PdrtError as exc:
+                request_id = message.draft_id if hasattr(message, "draft_id") else message.request_id
+                self._reply(identity, Error(exc.code, str(exc), request_id))
+
+    def _client_request(self, identity: bytes, message: object) -> None:
+        if isinstance(message, Generate):
+            self._generate(identity, message)
+        elif isinstance(message, DraftAppend):
+            self.drafts.append(identity, message)
+        elif isinstance(message, DraftReplace):
+            self.drafts.replace(identity, message)
+        elif isinstance(message, DraftOpen):
+            if self.draining:
+                raise UnavailableError("the server is shutting down")
+            self.drafts.open(identity, message, self._session_worker(message.session_id))
+        elif isinstance(message, DraftSubmit):
+            self._submit(identity, message)
+        elif isinstance(message, DraftAbandon):
+            self.drafts.abandon(identity, message.draft_id)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -187,43 +250,125 @@ class Gateway(Actor):
 
     def status(self) -> Status:
         workers = [WorkerStatus(w.process_id, w.role, True, w.load) for w in self.router.workers.values()]
-        return Status(sorted(workers, key=lambda w: w.process_id), len(self.by_client))
+        counters = dict(self.counters)
+        counters["open_drafts"] = len(self.drafts.drafts)
+        counters["warmup_reservations"] = len(self.reservations.by_session)
+        if self.warmup_guard is not None:
+            counters["warmup_datagrams_accepted"] = self.warmup_guard.accepted
+            counters.update({f"warmup_dropped_{k}": v for k, v in self.warmup_guard.dropped.items()})
+        return Status(sorted(workers, key=lambda w: w.process_id), len(self.by_client), counters)
 
-    def _generate(self, identity: bytes, message: Generate) -> None:
+    def _admit(self, identity: bytes, request_id: str, ids: list[int], params, stream: bool,
+               timeout_s: float | None) -> GatewayRequest:
         if self.draining:
             raise UnavailableError("the server is shutting down")
-        if (identity, message.request_id) in self.by_client:
-            raise DuplicateRequestError(f"request {message.request_id!r} is already open")
+        if (identity, request_id) in self.by_client:
+            raise DuplicateRequestError(f"request {request_id!r} is already open")
         if len(self.by_client) >= self.config.gateway.max_open_requests:
             raise UnavailableError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
-        ids = self.prompts.render(message)
-        timeout = message.timeout_s or self.config.gateway.request_timeout_s
-        req = GatewayRequest.create(identity, message.request_id, ids, message.params, message.stream,
-                                    time.monotonic() + timeout, self.tokenizer)
-        self.by_client[(identity, message.request_id)] = req
-        if not self._route(req):
+        timeout = timeout_s or self.config.gateway.request_timeout_s
+        return GatewayRequest.create(identity, request_id, ids, params, stream, time.monotonic() + timeout,
+                                     self.tokenizer)
+
+    def _open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
+        self.by_client[(req.identity, req.request_id)] = req
+        if not self._route(req, draft):
             self.unrouted.append(req)
+
+    def _generate(self, identity: bytes, message: Generate) -> None:
+        ids = self.prompts.render(message)
+        req = self._admit(identity, message.request_id, ids, message.params, message.stream, message.timeout_s)
+        if message.session_id and message.messages is not None:
+            req.session_id = message.session_id
+            req.messages = [{"role": m.role, "content": m.content} for m in message.messages]
+        req.preferred = self._session_worker(message.session_id)
+        self._open(req)
+
+    def _submit(self, identity: bytes, message: DraftSubmit) -> None:
+        draft = self.drafts.take(identity, message.draft_id)
+        try:
+            ids = self.prompts.check(draft.tokens.final_ids())
+            req = self._admit(identity, message.request_id, ids, message.params, message.stream, message.timeout_s)
+        except PdrtError:
+            self.drafts.drop(draft, "drafts_failed")
+            raise
+        if draft.messages is not None:
+            req.session_id = draft.session_id
+            req.messages = [*draft.messages, {"role": "user", "content": draft.text}]
+        self._open(req, draft)
+
+    # -- warmup -----------------------------------------------------------------------
+
+    def _session_worker(self, session_id: str) -> WorkerInfo | None:
+        """The worker holding `session_id`'s warmup, counted as a hit (or a miss) of the warmup."""
+        if not session_id:
+            return None
+        reservation = self.reservations.get(session_id)
+        if reservation is not None and self.router.is_live(reservation.worker):
+            self.counters["warmup_hits"] += 1
+            return reservation.worker
+        self.counters["warmup_misses"] += 1
+        return None
+
+    def _warmup(self, session_id: str) -> None:
+        reservation = self.reservations.get(session_id)
+        if reservation is not None and self.router.is_live(reservation.worker):
+            self.reservations.renew(reservation)
+            self.counters["warmups_renewed"] += 1
+            return
+        history = self.sessions.get(session_id)
+        if history is None:
+            self.counters["warmups_unknown_session"] += 1
+            return
+        worker = self.router.pick(self.prefill_role)
+        if worker is None or self.reservations.is_full:
+            self.counters["warmups_refused"] += 1
+            return
+        ids = DraftTokenizer(self.tokenizer, history).stable_ids()  # the conversation up to the next turn
+        if not ids or len(ids) >= self.max_model_len:
+            self.counters["warmups_refused"] += 1
+            return
+        draft_id = self._new_id()
+        self.outbox.send(worker.address, DraftUpdate(draft_id, 0, ids, colocated=self.prefill_role == "colocated"))
+        self.reservations.add(session_id, worker, draft_id)
+        self.counters["warmups"] += 1
+        self.counters["warmup_tokens"] += len(ids)
 
     # -- routing ----------------------------------------------------------------------
 
-    def _route(self, req: GatewayRequest) -> bool:
-        """Send `req` to its workers; False when no live worker can take it now."""
-        if self.config.mode == "colocated":
-            prefill, decode = self.router.pick("colocated"), None
-            if prefill is None:
-                return False
+    def _route(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> bool:
+        """Send `req` to its workers; False when no live worker can take it now.
+
+        A submitted draft goes to the worker that prefilled it, if that one
+        is alive; a session's request to the worker holding its warmup.
+        """
+        held = draft is not None and draft.worker is not None and draft.sent and self.router.is_live(draft.worker)
+        if held:
+            prefill = draft.worker
+        elif req.preferred is not None and self.router.is_live(req.preferred):
+            prefill = req.preferred
         else:
-            prefill, decode = self.router.pick("prefill"), self.router.pick("decode")
-            if prefill is None or decode is None:
-                return False
+            prefill = self.router.pick(self.prefill_role)
+        decode = self.router.pick("decode") if self.prefill_role == "prefill" else None
+        if prefill is None or (decode is None and self.prefill_role == "prefill"):
+            if draft is not None:
+                self.drafts.drop(draft, "drafts_rerouted")
+            return False
         req.attempt += 1
-        req.internal_id = f"{self.process_id}-{next(self.ids)}.{req.attempt}"
+        req.internal_id = draft.internal_id if held else f"{self._new_id()}.{req.attempt}"
         req.prefill, req.decode = prefill, decode
         self.requests[req.internal_id] = req
         for worker in req.workers():
             self.router.open_requests[worker.process_id] += 1
-        self.outbox.send(prefill.address, PrefillRequest(req.internal_id, req.prompt_token_ids, req.params,
-                                                         self.inbox.address, decode.address if decode else ""))
+        decode_address = decode.address if decode else ""
+        if held:
+            self.outbox.send(prefill.address, DraftSubmitted(req.internal_id, req.prompt_token_ids, req.params,
+                                                             self.inbox.address, decode_address))
+        else:
+            if draft is not None:
+                self.drafts.drop(draft, "drafts_rerouted")
+            self.outbox.send(prefill.address, PrefillRequest(req.internal_id, req.prompt_token_ids, req.params,
+                                                             self.inbox.address, decode_address))
         return True
 
     def _route_waiting(self) -> None:
@@ -275,6 +420,8 @@ class Gateway(Actor):
     def _take(self, req: GatewayRequest, out) -> None:
         frame, finished = req.add(out)
         if finished:
+            if req.session_id and req.messages is not None:
+                self.sessions.record(req.session_id, req.messages, req.answer)
             self._end(req, frame, abort=not out.finished)  # a stop string seen here first: stop the worker
         elif frame is not None:
             self._reply(req.identity, frame)
@@ -291,6 +438,8 @@ class Gateway(Actor):
     def _worker_lost(self, worker: WorkerInfo) -> None:
         log.warning("worker lost", process=worker.process_id, role=worker.role)
         self.outbox.forget(worker.address)
+        self.drafts.worker_lost(worker)
+        self.reservations.on_worker(worker.process_id)
         for req in list(self.requests.values()):
             if not any(w.process_id == worker.process_id and w.incarnation == worker.incarnation
                        for w in req.workers()):
@@ -312,6 +461,12 @@ class Gateway(Actor):
         self._end(req, req.cancelled(), abort=True)
 
     def _expire(self) -> None:
+        for draft in self.drafts.expire():
+            error = RequestTimeoutError(f"draft {draft.draft_id!r} saw no activity for {self.drafts.ttl_s} s")
+            self._reply(draft.identity, Error(error.code, str(error), draft.draft_id))
+        for reservation in self.reservations.expire():
+            if self.router.is_live(reservation.worker):
+                self.outbox.send(reservation.worker.address, Abort(reservation.draft_id))
         now = time.monotonic()
         for req in [r for r in self.by_client.values() if r.deadline < now]:
             if req in self.unrouted:
@@ -328,6 +483,8 @@ class Gateway(Actor):
         self.inbox.start()
         self.link.start()
         tasks = [asyncio.create_task(self._read_clients()), asyncio.create_task(self._tick())]
+        if self.warmup_listener is not None:
+            await self.warmup_listener.start()
         log.info("gateway serving", address=self.config.gateway_address, model=self.model_name,
                  max_model_len=self.max_model_len)
         try:
@@ -336,6 +493,8 @@ class Gateway(Actor):
         finally:
             for task in tasks:
                 task.cancel()
+            if self.warmup_listener is not None:
+                self.warmup_listener.close()
             self.link.close()
             self.inbox.close()
             await self._ref.stop()

@@ -38,6 +38,13 @@ class GatewayRequest:
     num_chars_sent: int = 0
     num_tokens_sent: int = 0
     early_decode_outputs: list[RequestOutput] = field(default_factory=list)
+    session_id: str = ""
+    messages: list[dict[str, str]] | None = None  # a chat request's messages, remembered for its session
+    preferred: WorkerInfo | None = None  # the prefill worker holding this session's warmup or draft
+
+    @property
+    def answer(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
     @classmethod
     def create(cls, identity: bytes, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

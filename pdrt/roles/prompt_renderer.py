@@ -27,9 +27,13 @@ class PromptRenderer:
                 raise InvalidRequestError("this model has no chat template; send a prompt instead of messages")
             chat = [{"role": m.role, "content": m.content} for m in message.messages or []]
             ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+        return self.check(list(ids))
+
+    def check(self, ids: list[int]) -> list[int]:
+        """`ids`, when they make a prompt this model can continue."""
         if not ids:
             raise InvalidRequestError("the prompt has no tokens")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's context is "
                                      f"{self.max_model_len} tokens, including at least one generated token")
-        return list(ids)
+        return ids

@@ -1,0 +1,153 @@
+"""The gateway's open drafts: their text, which worker prefills them, and what that worker holds.
+
+Life cycle of a draft in the gateway:
+
+1. `DraftOpen` records it (bounded: `max_drafts` in all);
+2. `DraftAppend` / `DraftReplace` change its text; once enough text changed
+   (`SYNC_CHARS`, or any edit), its stable tokens are recomputed and the
+   difference to what the worker holds goes out as one `DraftUpdate` (keep
+   the common prefix, append the rest) — an edit that reaches into prefilled
+   tokens is a rollback on the worker;
+3. `take` hands it to the gateway at submit, which sends the final tokens;
+   `abandon` or the idle TTL drops it and tells the worker to free it.
+
+The worker is picked at the first update (a session's reserved worker when
+it has one) and kept; when it dies the draft starts over on another.
+"""
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdrt.errors import InvalidRequestError, PromptTooLongError, UnavailableError, UnknownRequestError
+from pdrt.roles.messaging import Outbox
+from pdrt.roles.router import Router
+from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
+from pdrt.wire import Abort, DraftAppend, DraftOpen, DraftReplace, DraftUpdate, WorkerInfo
+
+SYNC_CHARS = 16  # less new text than this rarely moves the stable prefix (see DraftTokenizer)
+
+
+@dataclass(slots=True, eq=False)
+class GatewayDraft:
+    identity: bytes
+    draft_id: str
+    internal_id: str
+    session_id: str
+    messages: list[dict[str, str]] | None
+    tokens: DraftTokenizer
+    last_activity: float
+    worker: WorkerInfo | None = None
+    sent: list[int] = field(default_factory=list)  # the tokens the worker holds
+    synced_text: str = ""
+
+    @property
+    def text(self) -> str:
+        return self.tokens.text
+
+
+class DraftBook:
+    def __init__(self, tokenizer: Any, max_model_len: int, router: Router, outbox: Outbox, role: str,
+                 max_drafts: int, ttl_s: float, new_id: Callable[[], str], counters: Counter[str]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.router = router
+        self.outbox = outbox
+        self.role = role  # the role that prefills drafts: "prefill" or "colocated"
+        self.max_drafts = max_drafts
+        self.ttl_s = ttl_s
+        self.new_id = new_id
+        self.counters = counters
+        self.drafts: dict[tuple[bytes, str], GatewayDraft] = {}
+
+    def open(self, identity: bytes, message: DraftOpen, worker: WorkerInfo | None) -> None:
+        key = (identity, message.draft_id)
+        if key in self.drafts:
+            raise InvalidRequestError(f"draft {message.draft_id!r} is already open")
+        if len(self.drafts) >= self.max_drafts:
+            raise UnavailableError(f"the server has {len(self.drafts)} open drafts, its limit; retry later")
+        messages = None if message.messages is None else [{"role": m.role, "content": m.content}
+                                                          for m in message.messages]
+        if messages is not None and not self.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template; open the draft without messages")
+        try:
+            tokens = DraftTokenizer(self.tokenizer, messages)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.drafts[key] = GatewayDraft(identity, message.draft_id, self.new_id(), message.session_id, messages,
+                                        tokens, time.monotonic(), worker)
+        self.counters["drafts_opened"] += 1
+        self._sync(self.drafts[key], force=True)  # a conversation so far can start prefilling at once
+
+    def _get(self, identity: bytes, draft_id: str) -> GatewayDraft:
+        draft = self.drafts.get((identity, draft_id))
+        if draft is None:
+            raise UnknownRequestError(f"no open draft {draft_id!r}")
+        draft.last_activity = time.monotonic()
+        return draft
+
+    def append(self, identity: bytes, message: DraftAppend) -> None:
+        draft = self._get(identity, message.draft_id)
+        draft.tokens.text += message.text
+        self._sync(draft)
+
+    def replace(self, identity: bytes, message: DraftReplace) -> None:
+        draft = self._get(identity, message.draft_id)
+        if not (0 <= message.num_kept_chars <= len(draft.text)):
+            raise InvalidRequestError(f"the draft has {len(draft.text)} characters; cannot keep "
+                                      f"{message.num_kept_chars}")
+        draft.tokens.text = draft.text[: message.num_kept_chars] + message.text
+        self._sync(draft, force=message.num_kept_chars < len(draft.synced_text))
+
+    def _sync(self, draft: GatewayDraft, force: bool = False) -> None:
+        """Send the worker the change in the draft's stable tokens, if there is one."""
+        if not force and len(draft.text) - len(draft.synced_text) < SYNC_CHARS:
+            return
+        draft.synced_text = draft.text
+        stable = draft.tokens.stable_ids()
+        if len(stable) >= self.max_model_len:
+            raise PromptTooLongError(f"the draft has {len(stable)} tokens; this model's context is "
+                                     f"{self.max_model_len}")
+        if draft.worker is None or not self.router.is_live(draft.worker):
+            draft.worker, draft.sent = self.router.pick(self.role), []
+            if draft.worker is None:
+                return  # no worker now: the submit routes it like any request
+        kept = common_prefix_len(draft.sent, stable)
+        if kept == len(draft.sent) == len(stable) or (not draft.sent and not stable):
+            return
+        if kept < len(draft.sent):
+            self.counters["draft_rollbacks"] += 1
+        self.outbox.send(draft.worker.address, DraftUpdate(draft.internal_id, kept, stable[kept:],
+                                                           colocated=self.role == "colocated"))
+        self.counters["draft_updates"] += 1
+        draft.sent = stable
+
+    def take(self, identity: bytes, draft_id: str) -> GatewayDraft:
+        """Remove the draft for its submit; the caller sends its final tokens."""
+        draft = self._get(identity, draft_id)
+        del self.drafts[(identity, draft_id)]
+        self.counters["drafts_submitted"] += 1
+        return draft
+
+    def drop(self, draft: GatewayDraft, counter: str) -> None:
+        self.drafts.pop((draft.identity, draft.draft_id), None)
+        self.counters[counter] += 1
+        if draft.worker is not None and draft.sent and self.router.is_live(draft.worker):
+            self.outbox.send(draft.worker.address, Abort(draft.internal_id))
+
+    def abandon(self, identity: bytes, draft_id: str) -> None:
+        self.drop(self._get(identity, draft_id), "drafts_abandoned")
+
+    def expire(self) -> list[GatewayDraft]:
+        cutoff = time.monotonic() - self.ttl_s
+        expired = [d for d in self.drafts.values() if d.last_activity < cutoff]
+        for draft in expired:
+            self.drop(draft, "drafts_expired")
+        return expired
+
+    def worker_lost(self, worker: WorkerInfo) -> None:
+        for draft in self.drafts.values():
+            if draft.worker is not None and draft.worker.process_id == worker.process_id:
+                draft.worker, draft.sent = None, []
