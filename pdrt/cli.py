@@ -1,10 +1,22 @@
-"""The `pdrt` command line."""
+"""The `pdrt` command line: `up` serves; `generate` and `chat` are clients of a running server.
+
+Answers go to stdout and everything else (logs, progress, errors) to stderr,
+so that `pdrt generate ... > answer.txt` holds the answer alone.
+"""
 
 import argparse
+import os
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING
 
 from pdrt.errors import PdrtError
+
+if TYPE_CHECKING:
+    from pdrt.client import Client
+    from pdrt.engine.sampling_params import SamplingParams
 
 
 def _model_path(arg: str | None) -> str:
@@ -26,8 +38,110 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_SERVER = "tcp://127.0.0.1:7100"  # the gateway's default port (pdrt/node_config.py)
+
+
+def _server_address(arg: str | None) -> str:
+    return arg or os.environ.get("PDRT_SERVER") or DEFAULT_SERVER
+
+
+def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    from pdrt.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+
+
+@contextmanager
+def _connected(args: argparse.Namespace) -> Iterator["Client"]:
+    """A client of the server at --server; with --serve, a `pdrt up` started first when nothing listens there."""
+    from pdrt.client import Client
+    from pdrt.client.spawned_server import SpawnedServer, is_listening
+    from pdrt.errors import ServerUnreachableError
+
+    address = _server_address(args.server)
+    with ExitStack() as stack:
+        # A refused TCP connect answers at once, where a handshake with nobody would wait out the timeout.
+        if address.startswith("tcp://") and not is_listening(address):
+            if not args.serve:
+                raise ServerUnreachableError(f"nothing listens at {address}; start a server with `pdrt up`, "
+                                             "or pass --serve")
+            stack.enter_context(SpawnedServer(address, args.model, ready_timeout_s=args.ready_timeout))
+        yield stack.enter_context(Client(address, timeout_s=args.timeout))
+
+
+def _print_answer(client: "Client", params: "SamplingParams", **prompt: object) -> str | None:
+    """Stream one answer to stdout; its text, or None when Ctrl-C cancelled it."""
+    stream = client.stream(params=params, **prompt)
+    try:
+        for delta in stream:
+            print(delta.text, end="", flush=True)
+    except KeyboardInterrupt:  # leaving the loop has cancelled the request on the server
+        print(flush=True)
+        print("pdrt: answer cancelled", file=sys.stderr)
+        return None
+    except PdrtError:
+        if stream.completion.text:
+            print(flush=True)  # end the partial answer's line before the error is reported
+        raise
+    print(flush=True)
+    return stream.completion.text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pdrt.engine import EngineConfig, LLMEngine, SamplingParams
+    if args.local:
+        return _generate_local(args)
+    params = _sampling_params(args)
+    prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    with _connected(args) as client:
+        return 0 if _print_answer(client, params, **prompt) is not None else 130
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next line of stdin, None at its end; at a terminal, with a prompt and line editing."""
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return line if line else None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    interactive = sys.stdin.isatty()
+    first = [{"role": "system", "content": args.system}] if args.system else []
+    with _connected(args) as client:
+        if interactive:
+            print(f"pdrt: chatting with {client.ready.model} at {client.address}; /reset starts over, /exit or "
+                  "Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
+        messages = list(first)
+        while True:
+            try:
+                line = _read_line(interactive)
+            except KeyboardInterrupt:  # at the prompt, Ctrl-C clears the line, as a Python prompt does
+                print(file=sys.stderr)
+                continue
+            if line is None or line.strip() == "/exit":
+                return 0
+            text = line.strip()
+            if text == "/reset":
+                messages = list(first)
+                print("pdrt: conversation cleared", file=sys.stderr)
+            elif text:
+                question = {"role": "user", "content": text}
+                try:
+                    answer = _print_answer(client, params, messages=[*messages, question])
+                except PdrtError as exc:  # one failed answer does not end the conversation
+                    print(f"pdrt: {exc.code}: {exc}", file=sys.stderr)
+                    continue
+                if answer is not None:  # a cancelled or failed exchange is left out of the conversation
+                    messages += [question, {"role": "assistant", "content": answer}]
+
+
+def _generate_local(args: argparse.Namespace) -> int:
+    """The engine in this process, without a server: the engine as a library, for a quick look at a checkpoint."""
+    from pdrt.engine import EngineConfig, LLMEngine
     from pdrt.engine.detokenizer import IncrementalDetokenizer
 
     engine = LLMEngine(EngineConfig(model=_model_path(args.model), num_threads=args.threads))
@@ -39,9 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         messages = [{"role": "user", "content": args.prompt}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens)
-    engine.add_request(uuid.uuid4().hex, ids, params)
+    engine.add_request(uuid.uuid4().hex, ids, _sampling_params(args))
     detok = IncrementalDetokenizer(tokenizer, ids)
     while engine.has_unfinished():
         for out in engine.step():
@@ -49,6 +161,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(detok.add(token), end="", flush=True)
     print()
     return 0
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", metavar="ADDRESS",
+                        help=f"the gateway (default: $PDRT_SERVER, else {DEFAULT_SERVER})")
+    parser.add_argument("--serve", action="store_true",
+                        help="when no server listens at the address, run `pdrt up` there for this command")
+    parser.add_argument("--model", help="with --serve (or --local): checkpoint directory (default: the fetched "
+                                        "SmolLM2)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="S",
+                        help="with --serve: how long the server may take to start (default 300)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="give up when the server sends nothing for S seconds (default 60)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,16 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up)
     up.set_defaults(func=run_up)
 
-    gen = sub.add_parser("generate", help="answer one prompt, streamed")
+    gen = sub.add_parser("generate", help="answer one prompt, streamed from a running server")
     gen.add_argument("prompt")
-    gen.add_argument("--model", help="checkpoint directory or .gguf file (default: the fetched SmolLM2)")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--threads", type=int)
+    _add_client_arguments(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process instead of asking a "
+                                                          "server (needs the checkpoint)")
+    gen.add_argument("--threads", type=int, help="with --local: torch threads")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with a running server, answers streamed")
+    _add_client_arguments(chat)
+    chat.add_argument("--system", help="a system message that opens the conversation")
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
@@ -90,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     except PdrtError as exc:
         print(f"pdrt: {exc.code}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("pdrt: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

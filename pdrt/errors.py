@@ -117,3 +117,29 @@ class ConfigError(PdrtError):
     """A node config (TOML, flags, environment) that cannot be used."""
 
     code = "config"
+
+
+class ServerError(PdrtError):
+    """An error reply whose code names no local error class; `code` is the server's own."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ServerUnreachableError(UnavailableError):
+    """No server answered the handshake at the address within the timeout."""
+
+    code = "unreachable"
+
+
+class ClientClosedError(PdrtError):
+    """The client was closed while this call was waiting for the server."""
+
+    code = "client_closed"
+
+
+class ConnectionForgottenError(ProtocolError):
+    """The gateway asked for a handshake on a connection that had made one: it restarted, and forgot it."""
+
+    code = "handshake_required"

@@ -180,5 +180,5 @@ def test_a_flood_of_bad_datagrams_reserves_nothing_keeps_memory_bounded_and_requ
     after = status(node).counters
     assert after.get("warmups", 0) <= before.get("warmups", 0) + 1  # at most the one authentic datagram
     dropped = sum(v - before.get(k, 0) for k, v in after.items() if k.startswith("warmup_dropped_"))
-    assert dropped > 50_000  # most arrived (UDP may drop some under the flood) and all were dropped
+    assert dropped > 10_000  # the kernel may drop some of a flood; every one that arrived was dropped here
     assert rss_kb() - rss_before < 50_000

@@ -1,6 +1,7 @@
 """The UDP endpoint beside the gateway: datagrams in, accepted session ids out to a callback."""
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 import structlog
@@ -8,6 +9,8 @@ import structlog
 from pdrt.warmup.guard import WarmupGuard
 
 log = structlog.get_logger(__name__)
+
+RECEIVE_BUFFER_BYTES = 4 << 20
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -35,6 +38,9 @@ class WarmupListener:
         loop = asyncio.get_running_loop()
         self.transport, _ = await loop.create_datagram_endpoint(
             lambda: _Protocol(self.guard, self.on_warmup), local_addr=(self.host, self.port))
+        sock = self.transport.get_extra_info("socket")
+        # Bursts of focus events (or a flood) should queue in the kernel, not be lost before we read them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
         self.port = self.transport.get_extra_info("sockname")[1]
         log.info("warmup listening", address=f"udp://{self.host}:{self.port}")
 

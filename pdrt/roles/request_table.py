@@ -1,0 +1,208 @@
+"""The gateway's open requests: admission, routing to workers, their outputs, and how each one ends.
+
+Every request ends exactly once — finished, cancelled, failed, lost with
+its worker, or past its deadline — with one final frame to its client. A
+request is known by the client's id to the client and by an *attempt id* to
+the workers; a retry (its worker died before it produced a token) is a new
+attempt, so that late outputs of the old one are recognized and ignored.
+"""
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from pdrt.engine.outputs import RequestOutput
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.errors import DuplicateRequestError, PdrtError, RequestTimeoutError, UnavailableError, WorkerLostError
+from pdrt.node_config import GatewayConfig
+from pdrt.roles.gateway_request import GatewayRequest
+from pdrt.roles.messaging import Outbox
+from pdrt.roles.router import Router
+from pdrt.typeahead.draft_book import DraftBook, GatewayDraft
+from pdrt.warmup.warmups import Warmups
+from pdrt.wire import Abort, DraftSubmitted, Error, PrefillRequest, RequestFailed, StepOutputs, WorkerInfo
+
+log = structlog.get_logger(__name__)
+
+
+class RequestTable:
+    def __init__(self, config: GatewayConfig, tokenizer: Any, router: Router, outbox: Outbox, inbox_address: str,
+                 role: str, drafts: DraftBook, warmups: Warmups, reply: Callable[[bytes, msgspec.Struct], None],
+                 process_id: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.router = router
+        self.outbox = outbox
+        self.inbox_address = inbox_address
+        self.role = role  # the role that prefills: "prefill" (then a decode worker too) or "colocated"
+        self.drafts = drafts
+        self.warmups = warmups
+        self.reply = reply
+        self.process_id = process_id
+        self.attempts = itertools.count()
+        self.requests: dict[str, GatewayRequest] = {}  # attempt id -> request
+        self.by_client: dict[tuple[bytes, str], GatewayRequest] = {}
+        self.unrouted: deque[GatewayRequest] = deque()
+        self.admitting = True
+
+    # -- admission ----------------------------------------------------------------------
+
+    def admit(self, identity: bytes, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
+              timeout_s: float | None) -> GatewayRequest:
+        if not self.admitting:
+            raise UnavailableError("the server is shutting down")
+        if (identity, request_id) in self.by_client:
+            raise DuplicateRequestError(f"request {request_id!r} is already open")
+        if len(self.by_client) >= self.config.max_open_requests:
+            raise UnavailableError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
+        deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
+        return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
+
+    def open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
+        self.by_client[(req.identity, req.request_id)] = req
+        if not self._route(req, draft):
+            self.unrouted.append(req)
+
+    # -- routing --------------------------------------------------------------------------
+
+    def _route(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> bool:
+        """Send `req` to its workers; False when no live worker can take it now.
+
+        A submitted draft goes to the worker that prefilled it, if that one
+        is alive; a session's request to the worker holding its warmup.
+        """
+        held = draft is not None and draft.worker is not None and bool(draft.sent) \
+            and self.router.is_live(draft.worker)
+        if held:
+            prefill = draft.worker
+        elif req.preferred is not None and self.router.is_live(req.preferred):
+            prefill = req.preferred
+        else:
+            prefill = self.router.pick(self.role)
+        decode = self.router.pick("decode") if self.role == "prefill" else None
+        if draft is not None and not held:
+            self.drafts.drop(draft, "drafts_rerouted")  # its KV is gone with its worker, or it never had any
+        if prefill is None or (decode is None and self.role == "prefill"):
+            return False
+        req.attempt += 1
+        req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
+        req.prefill, req.decode = prefill, decode
+        self.requests[req.internal_id] = req
+        for worker in req.workers():
+            self.router.open_requests[worker.process_id] += 1
+        decode_address = decode.address if decode else ""
+        message: msgspec.Struct
+        if held:
+            message = DraftSubmitted(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
+                                     decode_address)
+        else:
+            message = PrefillRequest(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
+                                     decode_address)
+        self.outbox.send(prefill.address, message)
+        return True
+
+    def route_waiting(self) -> None:
+        for _ in range(len(self.unrouted)):
+            req = self.unrouted.popleft()
+            if (req.identity, req.request_id) in self.by_client and not self._route(req):
+                self.unrouted.append(req)
+                break
+
+    def _detach(self, req: GatewayRequest, abort: bool) -> None:
+        """Forget the current attempt of `req`; with `abort`, tell its live workers to drop it."""
+        if self.requests.pop(req.internal_id, None) is None:
+            return
+        for worker in req.workers():
+            self.router.open_requests[worker.process_id] -= 1
+            if abort and self.router.is_live(worker):
+                self.outbox.send(worker.address, Abort(req.internal_id))
+        req.prefill = req.decode = None
+
+    def end(self, req: GatewayRequest, final: msgspec.Struct, abort: bool = False) -> None:
+        self._detach(req, abort)
+        if req in self.unrouted:
+            self.unrouted.remove(req)
+        if self.by_client.pop((req.identity, req.request_id), None) is not None:
+            self.reply(req.identity, final)
+
+    def fail(self, req: GatewayRequest, error: PdrtError) -> None:
+        self.end(req, Error(error.code, str(error), req.request_id), abort=True)
+
+    def _retry(self, req: GatewayRequest) -> None:
+        self._detach(req, abort=True)
+        log.info("retrying a request", request_id=req.request_id, attempt=req.attempt + 1)
+        if not self._route(req):
+            self.unrouted.append(req)
+
+    # -- worker messages -----------------------------------------------------------------
+
+    def outputs(self, message: StepOutputs) -> None:
+        for out in message.outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:
+                continue  # a cancelled or abandoned attempt
+            from_decode = req.decode is not None and message.process_id == req.decode.process_id
+            if from_decode and not req.has_tokens:
+                req.early_decode_outputs.append(out)  # overtook the prefill worker's first token
+                continue
+            self._take(req, out)
+            if not from_decode and req.early_decode_outputs and out.request_id in self.requests:
+                early, req.early_decode_outputs = req.early_decode_outputs, []
+                for later in early:
+                    if later.request_id in self.requests:
+                        self._take(req, later)
+
+    def _take(self, req: GatewayRequest, out: RequestOutput) -> None:
+        frame, finished = req.add(out)
+        if finished:
+            if req.session_id and req.messages is not None:
+                self.warmups.remember(req.session_id, req.messages, req.answer)
+            self.end(req, frame, abort=not out.finished)  # a stop string seen here first: stop the worker
+        elif frame is not None:
+            self.reply(req.identity, frame)
+
+    def failed(self, message: RequestFailed) -> None:
+        req = self.requests.get(message.request_id)
+        if req is None:
+            return
+        if message.retryable and not req.has_tokens:
+            self._retry(req)
+        else:
+            self.end(req, Error(message.code, message.message, req.request_id), abort=True)
+
+    def worker_lost(self, worker: WorkerInfo) -> None:
+        for req in list(self.requests.values()):
+            if not any(w.process_id == worker.process_id and w.incarnation == worker.incarnation
+                       for w in req.workers()):
+                continue
+            if not req.has_tokens:
+                self._retry(req)
+            elif req.decode is None or req.decode.process_id == worker.process_id:
+                self.fail(req, WorkerLostError(f"{worker.process_id} died after the request had produced tokens"))
+            # else: the prefill worker died after its handoff; the decode worker carries on
+
+    # -- client actions and time ------------------------------------------------------------
+
+    def cancel(self, identity: bytes, request_id: str) -> None:
+        req = self.by_client.get((identity, request_id))
+        if req is None:
+            self.reply(identity, Error("unknown_request", f"no open request {request_id!r}", request_id))
+            return
+        self.end(req, req.cancelled(), abort=True)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for req in [r for r in self.by_client.values() if r.deadline < now]:
+            if req in self.unrouted:
+                self.fail(req, UnavailableError("no worker became available before the request's deadline"))
+            else:
+                self.fail(req, RequestTimeoutError("the request did not finish before its deadline"))
+
+    def end_all(self, error: PdrtError) -> None:
+        for req in list(self.by_client.values()):
+            self.fail(req, error)
