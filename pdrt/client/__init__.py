@@ -8,7 +8,8 @@
 Errors the server reports come back as the `pdrt.errors` class of their code.
 """
 
-from pdrt.client.async_client import DEFAULT_TIMEOUT_S, AsyncClient, AsyncStream, chat_messages
+from pdrt.client.async_client import DEFAULT_TIMEOUT_S, AsyncClient, chat_messages
+from pdrt.client.async_stream import AsyncStream
 from pdrt.client.completion import Completion
 from pdrt.client.error_codes import ERROR_CLASSES, error_from_reply
 from pdrt.client.sync_client import Client, Stream

@@ -11,7 +11,8 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from pdrt.client.async_client import DEFAULT_TIMEOUT_S, AsyncClient, AsyncStream, Messages
+from pdrt.client.async_client import DEFAULT_TIMEOUT_S, AsyncClient, Messages
+from pdrt.client.async_stream import AsyncStream
 from pdrt.client.completion import Completion
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.errors import ClientClosedError

@@ -1,0 +1,125 @@
+"""One request seen from the asyncio client: its queue of replies, iterated as `Tokens` deltas.
+
+The client's reader task fills the queue; this side takes from it, each wait
+bounded by the timeout, and keeps the stream's state: whether the request was
+sent, cancelled, resent after a gateway restart, or is over. See
+async_client.py for the life of a request.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import structlog
+
+from pdrt.client.completion import Completion
+from pdrt.client.error_codes import error_from_reply
+from pdrt.errors import ConnectionForgottenError, PdrtError, RequestTimeoutError
+from pdrt.wire import Cancel, Error, Generate, Tokens
+
+if TYPE_CHECKING:
+    from pdrt.client.async_client import AsyncClient
+
+log = structlog.get_logger(__name__)
+
+Reply = Tokens | Error | PdrtError  # what a request's queue holds; a PdrtError is a local failure
+
+
+class AsyncStream:
+    """One request's output as `Tokens` deltas, ending after the finished frame.
+
+    Iterate it with `async for`; an `Error` frame raises the typed error. Call
+    `cancel()` to ask the server to stop: the stream then ends with a frame
+    whose finish_reason is "cancelled". Leaving the loop early, `aclose()` or
+    leaving `async with` cancels the request and forgets it. `completion`
+    accumulates everything received so far.
+    """
+
+    def __init__(self, client: "AsyncClient", message: Generate, timeout_s: float) -> None:
+        self.client = client
+        self.message = message
+        self.timeout_s = timeout_s
+        self.completion = Completion(message.request_id)
+        self._queue: asyncio.Queue[Reply] | None = None
+        self._is_done = False  # the client no longer tracks this request
+        self._is_cancel_sent = False
+        self._is_resent = False
+        self._num_replies = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.message.request_id
+
+    @property
+    def is_done(self) -> bool:
+        return self._is_done
+
+    async def __anext__(self) -> Tokens:
+        if self._is_done:
+            raise StopAsyncIteration
+        if self._queue is None:
+            self._queue = await self.client._open(self.message)
+        try:
+            reply = await asyncio.wait_for(self._queue.get(), self.timeout_s)
+        except TimeoutError:
+            await self.aclose()
+            raise RequestTimeoutError(f"no reply to request {self.request_id} for {self.timeout_s:g} s; "
+                                      "it was cancelled") from None
+        if isinstance(reply, Tokens):
+            self._num_replies += 1
+            self.completion.add(reply)
+            if reply.finished:
+                self._finish()
+            return reply
+        if isinstance(reply, ConnectionForgottenError) and self._may_resend():
+            # The gateway never took this request (it restarted before): say Hello again and resend it.
+            self._is_resent, self._queue = True, None
+            return await self.__anext__()
+        self._finish()
+        raise reply if isinstance(reply, PdrtError) else error_from_reply(reply)
+
+    def _may_resend(self) -> bool:
+        return not (self._num_replies or self._is_resent or self._is_cancel_sent)
+
+    def __aiter__(self) -> AsyncIterator[Tokens]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[Tokens]:
+        # A generator, so that leaving `async for` early (break, an exception) finalizes it and cancels.
+        try:
+            while not self._is_done:
+                yield await self.__anext__()
+        finally:
+            await self.aclose()
+
+    async def cancel(self) -> None:
+        """Ask the server to stop this request; iterating on gives the frames up to the "cancelled" one."""
+        if self._is_done or self._is_cancel_sent:
+            return
+        if self._queue is None:  # never sent: end it here, as the server would have
+            self.completion.add(Tokens(self.request_id, [], finished=True, finish_reason="cancelled"))
+            self._is_done = True
+            return
+        self._is_cancel_sent = True
+        self.client._send(Cancel(self.request_id))
+
+    async def aclose(self) -> None:
+        """Forget this request; if it was still running, cancel it on the server (its last frames are dropped)."""
+        if self._is_done:
+            return
+        self._finish()
+        if self._queue is not None:
+            try:
+                self.client._send(Cancel(self.request_id))
+            except PdrtError as exc:  # the client is closed or its queue is full: the server's deadline ends it
+                log.info("could not cancel a request", request_id=self.request_id, error=str(exc))
+
+    def _finish(self) -> None:
+        self._is_done = True
+        self.client._requests.pop(self.request_id, None)
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
