@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pdrt.errors import PdrtError
 
 if TYPE_CHECKING:
-    from pdrt.client import Client
+    from pdrt.client import Client, Draft, Stream
     from pdrt.engine.sampling_params import SamplingParams
 
 
@@ -71,7 +71,10 @@ def _connected(args: argparse.Namespace) -> Iterator["Client"]:
 
 def _print_answer(client: "Client", params: "SamplingParams", **prompt: object) -> str | None:
     """Stream one answer to stdout; its text, or None when Ctrl-C cancelled it."""
-    stream = client.stream(params=params, **prompt)
+    return _print_stream(client.stream(params=params, **prompt))
+
+
+def _print_stream(stream: "Stream") -> str | None:
     try:
         for delta in stream:
             print(delta.text, end="", flush=True)
@@ -96,20 +99,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0 if _print_answer(client, params, **prompt) is not None else 130
 
 
-def _read_line(interactive: bool) -> str | None:
-    """The next line of stdin, None at its end; at a terminal, with a prompt and line editing."""
+def _read_line(interactive: bool, draft: "Draft") -> str | None:
+    """The next line of stdin, None at its end. At a terminal it is read key by key and the draft
+    follows every key, so the server prefills the question while it is being typed."""
     if interactive:
-        try:
-            return input("> ")
-        except EOFError:
-            return None
+        from pdrt.client.typed_line import read_typed_line
+
+        return read_typed_line("> ", draft.set_text)
     line = sys.stdin.readline()
+    if line:
+        draft.set_text(line.rstrip("\n"))
     return line if line else None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     interactive = sys.stdin.isatty()
+    session_id = uuid.uuid4().hex
     first = [{"role": "system", "content": args.system}] if args.system else []
     with _connected(args) as client:
         if interactive:
@@ -117,26 +123,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   "Ctrl-D quits, Ctrl-C stops an answer", file=sys.stderr)
         messages = list(first)
         while True:
+            draft = client.draft(messages=messages, session_id=session_id)
             try:
-                line = _read_line(interactive)
+                line = _read_line(interactive, draft)
             except KeyboardInterrupt:  # at the prompt, Ctrl-C clears the line, as a Python prompt does
+                draft.abandon()
                 print(file=sys.stderr)
                 continue
-            if line is None or line.strip() == "/exit":
+            text = line.strip() if line is not None else ""
+            if line is None or text == "/exit":
+                draft.abandon()
                 return 0
-            text = line.strip()
-            if text == "/reset":
-                messages = list(first)
-                print("pdrt: conversation cleared", file=sys.stderr)
-            elif text:
-                question = {"role": "user", "content": text}
-                try:
-                    answer = _print_answer(client, params, messages=[*messages, question])
-                except PdrtError as exc:  # one failed answer does not end the conversation
-                    print(f"pdrt: {exc.code}: {exc}", file=sys.stderr)
-                    continue
-                if answer is not None:  # a cancelled or failed exchange is left out of the conversation
-                    messages += [question, {"role": "assistant", "content": answer}]
+            if text == "/reset" or not text:
+                draft.abandon()
+                if text:
+                    messages = list(first)
+                    print("pdrt: conversation cleared", file=sys.stderr)
+                continue
+            try:
+                draft.set_text(text)
+                answer = _print_stream(draft.submit(params))
+            except PdrtError as exc:  # one failed answer does not end the conversation
+                print(f"pdrt: {exc.code}: {exc}", file=sys.stderr)
+                continue
+            if answer is not None:  # a cancelled or failed exchange is left out of the conversation
+                messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
 
 
 def _generate_local(args: argparse.Namespace) -> int:

@@ -82,7 +82,8 @@ class EngineSettings(_Table):
     dtype: str = "auto"
     device: str = "cpu"
     kv_lease_s: float = 30.0  # how long a prefill worker holds handed-off KV without an acknowledgement
-    min_draft_chunk: int = 128  # type-ahead: prefill a draft once this many stable tokens wait
+    min_draft_chunk: int = 128  # type-ahead: start prefilling a draft once this many stable tokens wait
+    min_draft_step: int = 16  # then whenever this many more do
     max_draft_tokens: int | None = None  # per draft (default: the context length)
     max_draft_pool_fraction: float = 0.5  # of the KV pool, for all drafts together
     draft_ttl_s: float = 60.0  # a draft without updates for this long is dropped
@@ -162,6 +163,7 @@ class NodeConfig(_Table):
                             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_prefill_chunk_size=e.max_prefill_chunk_size, hash_seed=e.hash_seed,
                             num_threads=self.threads_for(role), min_draft_chunk=e.min_draft_chunk,
+                            min_draft_step=e.min_draft_step,
                             max_draft_tokens=e.max_draft_tokens, max_draft_pool_fraction=e.max_draft_pool_fraction)
 
     # -- (de)serialization ------------------------------------------------------

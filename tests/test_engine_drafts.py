@@ -80,19 +80,27 @@ def test_a_rollback_frees_the_dropped_blocks_and_the_prefix_cache_gives_back_the
     engine.step()
     assert seq.num_cached_tokens == 192  # 12 full blocks of the 200 kept tokens come back from the cache
     assert seq.block_table[:12] == before[:12]
-    assert seq.num_computed_tokens == 192  # the 10 tokens after them wait for a chunk of min_draft_chunk
+    assert seq.num_computed_tokens == 192  # the 10 tokens after them wait for a step of min_draft_step
     engine.update_draft("d", 203, list(range(10, 30)))
     engine.step()
     assert seq.num_computed_tokens == 222
+    engine.update_draft("d", 223, [40, 41, 42])
+    assert not engine.has_unfinished()  # two tokens wait for more text ...
+    engine.draft_idle("d")
+    engine.step()
+    assert seq.num_computed_tokens == 225  # ... unless the typist pauses
 
 
-def test_submitted_requests_are_scheduled_before_drafts(make_engine, prompts):
-    engine = make_engine(min_draft_chunk=16, max_prefill_chunk_size=512, max_num_batched_tokens=600)
+def test_drafts_wait_while_a_submitted_prompt_prefills_and_then_use_the_idle_steps(make_engine, prompts):
+    engine = make_engine(min_draft_chunk=16, max_prefill_chunk_size=256, max_num_batched_tokens=600)
     engine.add_draft("draft", prompts[-1][:900])
     engine.add_request("real", prompts[-2][:500], GREEDY)
     engine.step()
+    engine.step()
     assert engine.sequences["real"].num_computed_tokens == 500
-    assert engine.sequences["draft"].num_computed_tokens == 100  # what the budget left
+    assert engine.sequences["draft"].num_computed_tokens == 0  # no step of the prompt's carried draft work
+    engine.step()  # the request decodes now: the draft may ride along
+    assert engine.sequences["draft"].num_computed_tokens == 256
 
 
 def test_draft_caps_bound_the_kv_a_draft_and_all_drafts_may_take(make_engine, prompts):

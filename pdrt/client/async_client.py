@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.client.async_draft import AsyncDraft
 from pdrt.client.async_stream import AsyncStream, Reply
 from pdrt.client.completion import Completion
 from pdrt.client.error_codes import error_from_reply
@@ -57,6 +58,7 @@ from pdrt.wire import (
     Ready,
     Status,
     Tokens,
+    Warmup,
     client_reply_decoder,
     encode,
 )
@@ -171,16 +173,20 @@ class AsyncClient:
 
     def stream(self, prompt: str | None = None, messages: Messages | None = None,
                token_ids: list[int] | None = None, params: SamplingParams | None = None,
-               timeout_s: float | None = None) -> AsyncStream:
-        """A streamed request from exactly one of `prompt`, chat `messages` or `token_ids`; sent on first use."""
-        return AsyncStream(self, self._generate_message(prompt, messages, token_ids, params, stream=True),
+               timeout_s: float | None = None, session_id: str = "") -> AsyncStream:
+        """A streamed request from exactly one of `prompt`, chat `messages` or `token_ids`; sent on first use.
+
+        A chat request with a `session_id` is remembered by the server, so that a warmup of the session
+        can prefill the conversation before its next turn.
+        """
+        return AsyncStream(self, self._generate_message(prompt, messages, token_ids, params, True, session_id),
                            self.timeout_s if timeout_s is None else timeout_s)
 
     async def generate(self, prompt: str | None = None, messages: Messages | None = None,
                        token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                       timeout_s: float | None = None) -> Completion:
+                       timeout_s: float | None = None, session_id: str = "") -> Completion:
         """A non-streamed request: the server sends everything in one frame when it is done."""
-        message = self._generate_message(prompt, messages, token_ids, params, stream=False)
+        message = self._generate_message(prompt, messages, token_ids, params, False, session_id)
         async with AsyncStream(self, message, self.timeout_s if timeout_s is None else timeout_s) as stream:
             async for _ in stream:
                 pass
@@ -218,24 +224,35 @@ class AsyncClient:
 
     # -- internals -----------------------------------------------------------------------
 
+    def draft(self, messages: Messages | None = None, session_id: str = "") -> AsyncDraft:
+        """A prompt the user is typing: the next user turn after chat `messages`, or a plain prompt (None)."""
+        return AsyncDraft(self, chat_messages(messages) if messages is not None else None, session_id)
+
+    async def warmup(self, session_id: str) -> None:
+        """The user focused the input of `session_id`: the server may prefill its conversation so far."""
+        await self.connect()
+        self._send(Warmup(session_id))
+
     def _generate_message(self, prompt: str | None, messages: Messages | None, token_ids: list[int] | None,
-                          params: SamplingParams | None, stream: bool) -> Generate:
+                          params: SamplingParams | None, stream: bool, session_id: str = "") -> Generate:
         if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
             raise InvalidRequestError("give exactly one of prompt, messages or token_ids")
         return Generate(uuid.uuid4().hex, prompt=prompt,
                         messages=chat_messages(messages) if messages is not None else None,
                         token_ids=list(token_ids) if token_ids is not None else None,
-                        params=params if params is not None else SamplingParams(), stream=stream)
+                        params=params if params is not None else SamplingParams(), stream=stream,
+                        session_id=session_id)
 
-    async def _open(self, message: Generate) -> asyncio.Queue[Reply]:
-        """Register a queue for `message`'s replies, then send it."""
+    async def _open(self, message: msgspec.Struct, reply_id: str | None = None) -> asyncio.Queue[Reply]:
+        """Register a queue for the replies to `message` (under its request id, or `reply_id`), then send it."""
         await self.connect()
+        key = reply_id if reply_id is not None else message.request_id
         queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._requests[message.request_id] = queue
+        self._requests[key] = queue
         try:
             self._send(message)
         except BaseException:
-            self._requests.pop(message.request_id, None)
+            self._requests.pop(key, None)
             raise
         return queue
 
@@ -277,15 +294,7 @@ class AsyncClient:
             self._dispatch(reply)
 
     def _dispatch(self, reply: Ready | Tokens | Error | Status) -> None:
-        if isinstance(reply, Tokens | Error) and reply.request_id is not None:
-            queue = self._requests.get(reply.request_id)
-            if queue is not None:
-                queue.put_nowait(reply)
-        elif isinstance(reply, Ready):
-            _resolve(self._hello_waiters, reply)
-        elif isinstance(reply, Status):
-            _resolve(self._status_waiters, reply)
-        elif isinstance(reply, Error) and reply.code == "handshake_required":
+        if isinstance(reply, Error) and reply.code == "handshake_required":
             # The gateway no longer knows this connection (it restarted): whatever was sent on it is lost.
             # The next call says Hello again; a request that got no reply yet is resent by its stream.
             self.ready = None
@@ -294,6 +303,14 @@ class AsyncClient:
             self._requests.clear()
             while _resolve(self._status_waiters, ConnectionForgottenError(FORGOTTEN)):
                 pass
+        elif isinstance(reply, Tokens | Error) and reply.request_id is not None:
+            queue = self._requests.get(reply.request_id)
+            if queue is not None:
+                queue.put_nowait(reply)
+        elif isinstance(reply, Ready):
+            _resolve(self._hello_waiters, reply)
+        elif isinstance(reply, Status):
+            _resolve(self._status_waiters, reply)
         elif isinstance(reply, Error):  # an answer to a Hello (unsupported_version) or to a GetStatus
             if not _resolve(self._hello_waiters, error_from_reply(reply)):
                 if not _resolve(self._status_waiters, error_from_reply(reply)):

@@ -15,7 +15,7 @@ import structlog
 from pdrt.client.completion import Completion
 from pdrt.client.error_codes import error_from_reply
 from pdrt.errors import ConnectionForgottenError, PdrtError, RequestTimeoutError
-from pdrt.wire import Cancel, Error, Generate, Tokens
+from pdrt.wire import Cancel, DraftSubmit, Error, Generate, Tokens
 
 if TYPE_CHECKING:
     from pdrt.client.async_client import AsyncClient
@@ -35,7 +35,7 @@ class AsyncStream:
     accumulates everything received so far.
     """
 
-    def __init__(self, client: "AsyncClient", message: Generate, timeout_s: float) -> None:
+    def __init__(self, client: "AsyncClient", message: Generate | DraftSubmit, timeout_s: float) -> None:
         self.client = client
         self.message = message
         self.timeout_s = timeout_s
@@ -79,7 +79,9 @@ class AsyncStream:
         raise reply if isinstance(reply, PdrtError) else error_from_reply(reply)
 
     def _may_resend(self) -> bool:
-        return not (self._num_replies or self._is_resent or self._is_cancel_sent)
+        # A submitted draft cannot be resent: the restarted gateway never saw the draft.
+        return not (self._num_replies or self._is_resent or self._is_cancel_sent) \
+            and isinstance(self.message, Generate)
 
     def __aiter__(self) -> AsyncIterator[Tokens]:
         return self._deltas()

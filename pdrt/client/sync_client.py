@@ -12,6 +12,7 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from pdrt.client.async_client import DEFAULT_TIMEOUT_S, AsyncClient, Messages
+from pdrt.client.async_draft import AsyncDraft
 from pdrt.client.async_stream import AsyncStream
 from pdrt.client.completion import Completion
 from pdrt.engine.sampling_params import SamplingParams
@@ -63,6 +64,34 @@ class Stream:
         self.close()
 
 
+class Draft:
+    """A prompt the user is typing (see `AsyncDraft`): `append`, `replace`, `set_text`, then `submit` or `abandon`."""
+
+    def __init__(self, client: "Client", draft: AsyncDraft) -> None:
+        self._client = client
+        self._draft = draft
+
+    @property
+    def text(self) -> str:
+        return self._draft.text
+
+    def append(self, text: str) -> None:
+        self._client._call(self._draft.append(text))
+
+    def replace(self, num_kept_chars: int, text: str = "") -> None:
+        self._client._call(self._draft.replace(num_kept_chars, text))
+
+    def set_text(self, text: str) -> None:
+        self._client._call(self._draft.set_text(text))
+
+    def submit(self, params: SamplingParams | None = None, stream: bool = True,
+               timeout_s: float | None = None) -> Stream:
+        return Stream(self._client, self._client._call(self._draft.submit(params, stream, timeout_s)))
+
+    def abandon(self) -> None:
+        self._client._call(self._draft.abandon())
+
+
 class Client:
     """A blocking connection to one gateway; see `AsyncClient` for what each method does and its timeouts."""
 
@@ -100,13 +129,19 @@ class Client:
 
     def generate(self, prompt: str | None = None, messages: Messages | None = None,
                  token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                 timeout_s: float | None = None) -> Completion:
-        return self._call(self._async.generate(prompt, messages, token_ids, params, timeout_s))
+                 timeout_s: float | None = None, session_id: str = "") -> Completion:
+        return self._call(self._async.generate(prompt, messages, token_ids, params, timeout_s, session_id))
 
     def stream(self, prompt: str | None = None, messages: Messages | None = None,
                token_ids: list[int] | None = None, params: SamplingParams | None = None,
-               timeout_s: float | None = None) -> Stream:
-        return Stream(self, self._async.stream(prompt, messages, token_ids, params, timeout_s))
+               timeout_s: float | None = None, session_id: str = "") -> Stream:
+        return Stream(self, self._async.stream(prompt, messages, token_ids, params, timeout_s, session_id))
+
+    def draft(self, messages: Messages | None = None, session_id: str = "") -> Draft:
+        return Draft(self, self._async.draft(messages, session_id))
+
+    def warmup(self, session_id: str) -> None:
+        self._call(self._async.warmup(session_id))
 
     def status(self, timeout_s: float | None = None) -> Status:
         return self._call(self._async.status(timeout_s))

@@ -11,9 +11,12 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 # with 512 prefill tokens stalls about 2.6x less than one with a whole 2048-token
 # prompt. Colocated deployments that weigh TPOT over TTFT can lower it.
 DEFAULT_PREFILL_CHUNK = 512
-# A draft's stable tokens are prefilled once this many are waiting: fewer per
-# chunk would re-gather the draft's context for little work each time.
+# A draft's stable tokens start being prefilled once this many are waiting
+# (most short prompts are typed and sent before, and cost nothing ahead);
+# after that, every DEFAULT_MIN_DRAFT_STEP more: smaller steps re-gather the
+# draft's context for little work, larger ones leave more to do after Enter.
 DEFAULT_MIN_DRAFT_CHUNK = 128
+DEFAULT_MIN_DRAFT_STEP = 16
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class EngineConfig:
     hash_seed: int = 0
     num_threads: int | None = None
     min_draft_chunk: int = DEFAULT_MIN_DRAFT_CHUNK
+    min_draft_step: int = DEFAULT_MIN_DRAFT_STEP
     max_draft_tokens: int | None = None  # per draft; None: the context length
     max_draft_pool_fraction: float = 0.5
 
@@ -51,6 +55,7 @@ class EngineConfig:
             "max_prefill_chunk_size": self.max_prefill_chunk_size,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "min_draft_chunk": self.min_draft_chunk,
+            "min_draft_step": self.min_draft_step,
         }
         for name, value in positive.items():
             if value < 1:

@@ -43,6 +43,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def finish(self) -> str:
+        """The text still held back at the end of the output (a character cut short renders as U+FFFD)."""
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
     def find_stop(self, num_new_chars: int) -> str | None:
         """Look for a stop string that ends in the last `num_new_chars` characters.
 

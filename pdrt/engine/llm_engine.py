@@ -73,7 +73,7 @@ class LLMEngine:
         max_draft_tokens = min(config.max_draft_tokens or self.max_model_len, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_size,
-                                   DraftLimits(config.min_draft_chunk, max_draft_tokens,
+                                   DraftLimits(config.min_draft_chunk, config.min_draft_step, max_draft_tokens,
                                                int(num_blocks * config.max_draft_pool_fraction)))
         self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
         self.sampler = Sampler()
@@ -140,8 +140,9 @@ class LLMEngine:
     def add_draft(self, request_id: str, token_ids: list[int], colocated: bool = False) -> None:
         """Start prefilling the stable part of a prompt that is still being typed.
 
-        A draft's tokens are computed in chunks of at least `min_draft_chunk`,
-        after every submitted request's work, within the draft caps. It is
+        A draft's tokens are computed once `min_draft_chunk` of them wait,
+        then in steps of at least `min_draft_step` (any size once the typist
+        pauses), after every submitted request's work, within the draft caps. It is
         sampled only after `submit_draft`; then it goes on as a prefill-only
         request (or, `colocated`, decodes here).
         """
@@ -173,6 +174,13 @@ class LLMEngine:
         del seq.token_ids[num_kept:]
         seq.token_ids.extend(new_token_ids)
         seq.num_prompt_tokens = seq.num_tokens
+        seq.draft_is_idle = False
+
+    def draft_idle(self, request_id: str) -> None:
+        """The typist paused: prefill what the draft has, however little, rather than wait for a full chunk."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.is_draft:
+            seq.draft_is_idle = True
 
     def submit_draft(self, request_id: str, num_kept: int, new_token_ids: list[int], params: SamplingParams) -> None:
         """The prompt is complete: its last tokens and the sampling parameters arrive; it is a request now."""

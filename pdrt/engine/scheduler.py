@@ -29,7 +29,8 @@ class ScheduledBatch:
 class DraftLimits:
     """How much of a step and of the pool prompts still being typed may take."""
 
-    min_chunk: int = 128  # a draft's chunk waits until this many stable tokens are pending
+    min_chunk: int = 128  # a draft's first chunk waits until this many stable tokens are pending
+    min_step: int = 16  # and each later one until this many
     max_tokens_per_draft: int = 1 << 30
     max_blocks: int = 1 << 30  # all drafts together
 
@@ -38,7 +39,8 @@ class Scheduler:
     """Token-budgeted continuous batching with chunked prefill and preemption by recompute.
 
     Each step it first serves the running sequences in arrival order, drafts
-    (prompts still being typed) after everything else: a decode costs one
+    (prompts still being typed) after everything else and only in steps that
+    prefill no submitted prompt: a decode costs one
     token, an unfinished prompt a chunk of at most `max_prefill_chunk_size`.
     When the pool has no block for a running sequence, a sequence not yet
     served this step is preempted, a draft first, else the most recently
@@ -56,6 +58,7 @@ class Scheduler:
         self.max_prefill_chunk_size = max_prefill_chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -83,15 +86,22 @@ class Scheduler:
         # that finalizes it always has a token to compute logits from.
         return seq.num_tokens if seq.prompt_is_final else seq.num_tokens - 1
 
+    def num_pending_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` whose KV could be computed now (a draft's below-threshold tail counts)."""
+        return max(0, self._num_computable(seq) - seq.num_computed_tokens)
+
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = self._num_computable(seq) - seq.num_computed_tokens
         if seq.is_draft:
+            if self._is_prefilling_requests:
+                return 0  # drafts use only steps that no submitted prompt needs: never slow a TTFT
             limits = self.draft_limits
             n = min(n, limits.max_tokens_per_draft - seq.num_computed_tokens)
             num_draft_blocks = sum(len(s.block_table) for s in self.running if s.is_draft)
             room = (limits.max_blocks - num_draft_blocks) * self.block_manager.block_size
             n = min(n, room + len(seq.block_table) * self.block_manager.block_size - seq.num_computed_tokens)
-            if n < min(limits.min_chunk, self.max_prefill_chunk_size, budget):
+            threshold = limits.min_step if seq.num_computed_tokens else limits.min_chunk
+            if n < min(threshold, self.max_prefill_chunk_size, budget) and not seq.draft_is_idle:
                 return 0
         return max(0, min(n, self.max_prefill_chunk_size, budget))
 
@@ -112,6 +122,8 @@ class Scheduler:
 
     def _place(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Put `n` tokens of `seq`, whose blocks are allocated, into the batch."""
+        if not seq.is_draft and seq.num_computed_tokens < seq.num_prompt_tokens:
+            self._is_prefilling_requests = True
         samples = seq.needs_sample_after(n)
         if n == 1:
             batch.decodes.append(seq)
@@ -123,6 +135,7 @@ class Scheduler:
                 batch.prefill_samples.append(seq)
 
     def schedule(self) -> ScheduledBatch:
+        self._is_prefilling_requests = False
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -167,6 +180,7 @@ class Scheduler:
                 manager.allocate(seq, n)
                 self._place(batch, seq, n)
                 budget -= n
+        self._is_prefilling_requests = False
         return batch
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

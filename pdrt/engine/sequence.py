@@ -54,6 +54,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    draft_is_idle: bool = False  # a draft whose typist paused: its pending tokens go in any chunk size
 
     @property
     def num_tokens(self) -> int:

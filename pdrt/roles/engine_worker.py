@@ -43,6 +43,9 @@ from pdrt.wire import DraftSubmitted, DraftUpdate, Load, RequestFailed, StepOutp
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5
+# A draft without an update for this long belongs to a typist who paused (to
+# think, or before pressing Enter): its last stable tokens are prefilled now.
+DRAFT_PAUSE_S = 0.2
 
 
 class EngineWorker(Actor):
@@ -131,11 +134,13 @@ class EngineWorker(Actor):
             self.queue_op(draft_id, lambda: self.engine.abort(draft_id))
 
     def _expire_drafts(self) -> None:
-        cutoff = time.monotonic() - self.draft_ttl_s
-        for draft_id in [d for d, t in self.drafts.items() if t < cutoff]:
+        now = time.monotonic()
+        for draft_id in [d for d, t in self.drafts.items() if t < now - self.draft_ttl_s]:
             log.info("draft expired", draft_id=draft_id)
             self.drafts.pop(draft_id)
             self.engine.abort(draft_id)
+        for draft_id in [d for d, t in self.drafts.items() if t < now - DRAFT_PAUSE_S]:
+            self.engine.draft_idle(draft_id)
 
     # -- the engine loop ----------------------------------------------------------
 
@@ -158,6 +163,7 @@ class EngineWorker(Actor):
         loop = asyncio.get_running_loop()
         while True:
             self._apply_ops()
+            self._load = self._measure_load()  # what just arrived counts before the (maybe long) step
             if self.engine.has_unfinished():
                 outputs = await loop.run_in_executor(self.executor, self.engine.step)
                 if outputs:
@@ -165,7 +171,7 @@ class EngineWorker(Actor):
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op
                     await self._wait(0.01)
             else:
-                await self._wait(IDLE_WAIT_S)
+                await self._wait(DRAFT_PAUSE_S if self.drafts else IDLE_WAIT_S)
             self._expire_drafts()
             self.after_step()
             self._load = self._measure_load()
@@ -188,8 +194,9 @@ class EngineWorker(Actor):
     def _measure_load(self) -> Load:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         num_free = blocks.num_free_blocks
-        waiting_tokens = sum(s.num_tokens - s.num_computed_tokens for s in scheduler.waiting)
-        waiting_tokens += sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in scheduler.running)
+        waiting_tokens = sum(scheduler.num_pending_tokens(s) for s in scheduler.waiting)
+        waiting_tokens += sum(scheduler.num_pending_tokens(s) for s in scheduler.running
+                              if s.num_computed_tokens < s.num_prompt_tokens)
         num_held = len(self.engine.sequences) - len(scheduler.waiting) - len(scheduler.running)
         return Load(len(scheduler.waiting), len(scheduler.running), num_held, num_free, blocks.num_blocks,
                     blocks.num_blocks - num_free, waiting_tokens, len(self.drafts),

@@ -90,6 +90,11 @@ TICK_S = 0.2
 HARD_FRAME_LIMIT = 8 * MAX_CLIENT_FRAME_BYTES
 
 
+def _request_id(message: object) -> str | None:
+    """The id a client waits on for this message: the request's (a submit's too), else the draft's."""
+    return getattr(message, "request_id", None) or getattr(message, "draft_id", None)
+
+
 class Gateway(Actor):
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context) -> None:
         self.config = config
@@ -106,6 +111,7 @@ class Gateway(Actor):
                                    self.inbox.address, lambda: Load(), self._tell)
         self.router = Router()
         self.handshaken: OrderedDict[bytes, None] = OrderedDict()
+        self.gone_clients: set[bytes] = set()
         self.ids = itertools.count()
         self.counters: Counter[str] = Counter()
         role = "colocated" if config.mode == "colocated" else "prefill"
@@ -143,7 +149,9 @@ class Gateway(Actor):
         try:
             self.clients.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client left, or stopped reading
-            log.info("could not reply to a client", error=str(exc))
+            if identity not in self.gone_clients:
+                log.info("client unreachable; ending its requests", error=str(exc))
+            self.gone_clients.add(identity)  # its requests and drafts end at the next tick
 
     async def _read_clients(self) -> None:
         while True:
@@ -187,6 +195,12 @@ class Gateway(Actor):
         self.table.worker_lost(worker)
 
     def _expire(self) -> None:
+        for identity in self.gone_clients:
+            self.table.forget_client(identity)
+            self.drafts.forget_client(identity)
+            self.handshaken.pop(identity, None)
+        self.gone_clients.clear()
+        self.drafts.sync_paused(TICK_S)
         for draft in self.drafts.expire():
             error = RequestTimeoutError(f"draft {draft.draft_id!r} saw no activity for {self.drafts.ttl_s} s")
             self._reply(draft.identity, Error(error.code, str(error), draft.draft_id))
@@ -202,7 +216,8 @@ class Gateway(Actor):
         elif isinstance(message, Hello):
             self._hello(identity, message)
         elif identity not in self.handshaken:
-            self._reply(identity, Error("handshake_required", "send Hello with the protocol version first"))
+            self._reply(identity, Error("handshake_required", "send Hello with the protocol version first",
+                                        _request_id(message)))
         elif isinstance(message, Cancel):
             self.table.cancel(identity, message.request_id)
         elif isinstance(message, GetStatus):
@@ -213,8 +228,7 @@ class Gateway(Actor):
             try:
                 self._client_request(identity, message)
             except PdrtError as exc:
-                request_id = message.draft_id if hasattr(message, "draft_id") else message.request_id
-                self._reply(identity, Error(exc.code, str(exc), request_id))
+                self._reply(identity, Error(exc.code, str(exc), _request_id(message)))
 
     def _client_request(self, identity: bytes, message: object) -> None:
         if isinstance(message, Generate):

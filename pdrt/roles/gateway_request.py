@@ -74,6 +74,8 @@ class GatewayRequest:
                 if stop is not None:  # the worker stops on the same token; do not wait for it to say so
                     finished, reason, stop_reason = True, FinishReason.STOP, stop
                     break
+        if finished and self.detokenizer is not None and not isinstance(stop_reason, str):
+            self.detokenizer.finish()
         if not finished and not self.stream:
             return None, False
         return self._frame(finished, FINISH_REASONS.get(FinishReason(reason)) if finished and reason else None,

@@ -18,7 +18,14 @@ import structlog
 
 from pdrt.engine.outputs import RequestOutput
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.errors import DuplicateRequestError, PdrtError, RequestTimeoutError, UnavailableError, WorkerLostError
+from pdrt.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    PdrtError,
+    RequestTimeoutError,
+    UnavailableError,
+    WorkerLostError,
+)
 from pdrt.node_config import GatewayConfig
 from pdrt.roles.gateway_request import GatewayRequest
 from pdrt.roles.messaging import Outbox
@@ -28,6 +35,8 @@ from pdrt.warmup.warmups import Warmups
 from pdrt.wire import Abort, DraftSubmitted, Error, PrefillRequest, RequestFailed, StepOutputs, WorkerInfo
 
 log = structlog.get_logger(__name__)
+
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class RequestTable:
@@ -60,6 +69,8 @@ class RequestTable:
             raise DuplicateRequestError(f"request {request_id!r} is already open")
         if len(self.by_client) >= self.config.max_open_requests:
             raise UnavailableError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
+        if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):
+            raise InvalidRequestError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
         deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
         return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
 
@@ -202,6 +213,14 @@ class RequestTable:
                 self.fail(req, UnavailableError("no worker became available before the request's deadline"))
             else:
                 self.fail(req, RequestTimeoutError("the request did not finish before its deadline"))
+
+    def forget_client(self, identity: bytes) -> None:
+        """A client that cannot be reached any more: its requests end (workers told), nothing is sent."""
+        for req in [r for r in self.by_client.values() if r.identity == identity]:
+            self._detach(req, abort=True)
+            if req in self.unrouted:
+                self.unrouted.remove(req)
+            del self.by_client[(req.identity, req.request_id)]
 
     def end_all(self, error: PdrtError) -> None:
         for req in list(self.by_client.values()):

@@ -59,13 +59,15 @@ class Node:
         self.address = f"tcp://127.0.0.1:{self.gateway_port}"
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
         self.stdout_lines: list[str] = []
 
     def start(self) -> "Node":
-        log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen([sys.executable, "-m", "pdrt.cli", "up", "--config", str(self.config_path)],
-                                        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pdrt.cli", "up", "--config", str(self.config_path)],
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         ready = threading.Event()
 
         def read_stdout() -> None:
@@ -75,7 +77,8 @@ class Node:
                 if line.startswith(READY_PREFIX):
                     ready.set()
 
-        threading.Thread(target=read_stdout, daemon=True).start()
+        self._reader = threading.Thread(target=read_stdout, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + self.ready_timeout_s
         while not ready.wait(0.1):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -120,6 +123,11 @@ class Node:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+        finally:
+            if self._reader is not None:
+                self._reader.join(timeout=2)  # it reaches the end of the pipe once the supervisor is gone
+            if self.process.stdout is not None:
+                self.process.stdout.close()
 
     def __enter__(self) -> "Node":
         return self.start()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdrt.errors import InvalidRequestError, PromptTooLongError, UnavailableError, UnknownRequestError
+from pdrt.errors import InvalidRequestError, PdrtError, PromptTooLongError, UnavailableError, UnknownRequestError
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
@@ -124,6 +124,16 @@ class DraftBook:
         self.counters["draft_updates"] += 1
         draft.sent = stable
 
+    def sync_paused(self, pause_s: float) -> None:
+        """Sync drafts whose typist paused with text not yet synced, so that their tail gets prefilled too."""
+        cutoff = time.monotonic() - pause_s
+        for draft in self.drafts.values():
+            if draft.last_activity < cutoff and draft.text != draft.synced_text:
+                try:
+                    self._sync(draft, force=True)
+                except PdrtError:
+                    pass  # too long: the submit reports it
+
     def take(self, identity: bytes, draft_id: str) -> GatewayDraft:
         """Remove the draft for its submit; the caller sends its final tokens."""
         draft = self._get(identity, draft_id)
@@ -146,6 +156,10 @@ class DraftBook:
         for draft in expired:
             self.drop(draft, "drafts_expired")
         return expired
+
+    def forget_client(self, identity: bytes) -> None:
+        for draft in [d for d in self.drafts.values() if d.identity == identity]:
+            self.drop(draft, "drafts_abandoned")
 
     def worker_lost(self, worker: WorkerInfo) -> None:
         for draft in self.drafts.values():
