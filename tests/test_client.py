@@ -224,6 +224,28 @@ def test_the_sync_client_generates_streams_cancels_and_reports_status(address, t
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
 
 
+def test_a_draft_typed_key_by_key_with_backspaces_answers_like_the_same_prompt_sent_at_once(address):
+    text = "class Parser(object):\n    def parse(self, text):\n        return [tok for tok in text.split()]\n" * 6
+    history = [{"role": "user", "content": "Read this."}, {"role": "assistant", "content": "Go on."}]
+    with Client(address) as client:
+        draft = client.draft(messages=history, session_id="typist")
+        typed = ""
+        for i, char in enumerate(text):
+            if i % 37 == 5:  # a typo, erased with backspace
+                draft.set_text(typed + "#")
+            typed += char
+            draft.set_text(typed)
+        submitted = draft.submit(GREEDY)
+        tokens = [t for delta in submitted for t in delta.token_ids]
+        once = client.generate(messages=[*history, {"role": "user", "content": text}], params=GREEDY)
+        assert tokens == once.token_ids and submitted.completion.text == once.text
+        abandoned = client.draft()
+        abandoned.append("never sent")
+        abandoned.abandon()
+        counters = client.status().counters
+        assert counters["drafts_submitted"] >= 1 and counters["drafts_abandoned"] >= 1
+
+
 def start_pdrt(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
     return subprocess.Popen([sys.executable, "-m", "pdrt.cli", *args], stdin=subprocess.PIPE,
