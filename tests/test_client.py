@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -244,6 +245,46 @@ def test_a_draft_typed_key_by_key_with_backspaces_answers_like_the_same_prompt_s
         abandoned.abandon()
         counters = client.status().counters
         assert counters["drafts_submitted"] >= 1 and counters["drafts_abandoned"] >= 1
+
+
+def read_terminal(fd: int, screen: bytes, until, timeout_s: float = 60.0) -> bytes:
+    """Read what a program writes to its terminal until `until(screen)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not until(screen):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the terminal shows {screen!r}")
+        if select.select([fd], [], [], 0.5)[0]:
+            screen += os.read(fd, 4096)
+    return screen
+
+
+def test_pdrt_chat_at_a_terminal_streams_each_key_as_a_draft_and_answers_on_enter(address):
+    import pty
+
+    question = "explain what the parse method of this class does, line by line, please"
+    with Client(address) as client:
+        expected = client.generate(messages=[{"role": "user", "content": question}],
+                                   params=SamplingParams(temperature=0, max_tokens=8)).text
+        before = client.status().counters.get("draft_updates", 0)
+    controller, terminal = pty.openpty()
+    chat = subprocess.Popen([sys.executable, "-m", "pdrt.cli", "chat", "--server", address, "--max-tokens", "8"],
+                            stdin=terminal, stdout=terminal, stderr=subprocess.DEVNULL, close_fds=True)
+    os.close(terminal)
+    try:
+        screen = read_terminal(controller, b"", lambda s: b"> " in s)  # the prompt, once connected
+        for char in question + "x\x7f":  # the last key is a typo, erased with backspace
+            os.write(controller, char.encode())
+            time.sleep(0.01)
+        os.write(controller, b"\r")
+        screen = read_terminal(controller, screen, lambda s: expected.encode() in s.replace(b"\r\n", b"\n"))
+        screen = read_terminal(controller, screen, lambda s: s.endswith(b"> "))  # the next prompt
+        os.write(controller, b"\x04")  # Ctrl-D at an empty prompt: the chat ends
+        assert chat.wait(30) == 0
+    finally:
+        chat.kill()
+        os.close(controller)
+    with Client(address) as client:
+        assert client.status().counters["draft_updates"] > before + 2  # the question reached the server while typed
 
 
 def start_pdrt(*args: str) -> subprocess.Popen:

@@ -26,7 +26,7 @@ def read_typed_line(prompt: str, on_change: Callable[[str], None]) -> str | None
     sys.stdout.write(prompt)
     sys.stdout.flush()
     try:
-        tty.setcbreak(fd)
+        tty.setcbreak(fd, termios.TCSANOW)  # keep keys typed ahead of the prompt (TCSAFLUSH would drop them)
         while True:
             data = os.read(fd, 64)
             if not data:
