@@ -77,10 +77,14 @@ class RequestTimeoutError(PdrtError):
     code = "timeout"
 
 
-class MailboxFullError(PdrtError):
-    """The actor's bounded mailbox is full; the sender should shed or retry later."""
+class OverloadedError(PdrtError):
+    """More work is queued than the server admits; the same request may succeed later."""
 
     code = "overloaded"
+
+
+class MailboxFullError(OverloadedError):
+    """The actor's bounded mailbox is full; the sender should shed or retry later."""
 
 
 class TransferError(PdrtError):

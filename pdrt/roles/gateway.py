@@ -45,6 +45,7 @@ from pdrt.errors import (
     RequestTimeoutError,
     UnavailableError,
 )
+from pdrt.http.server import HTTP_IDENTITY, DraftText, HttpFront
 from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.messaging import Inbox, Outbox
@@ -84,6 +85,7 @@ from pdrt.wire import (
 log = structlog.get_logger(__name__)
 
 MAX_CLIENTS = 100_000  # handshaken client identities remembered
+HTTP_ASK_TIMEOUT_S = 10.0
 TICK_S = 0.2
 # A hard cap far above the protocol's limit: ZeroMQ drops the connection of a
 # peer that sends more, before the gateway could read (and answer) the frame.
@@ -126,6 +128,11 @@ class Gateway(Actor):
             guard = WarmupGuard(config.warmup.key.encode(), self.model_name, config.warmup.max_age_s)
             self.warmup_listener = WarmupListener(config.host, config.warmup.port, guard,
                                                   lambda session_id: self._tell(Warmup(session_id)))
+        self.http: HttpFront | None = None
+        if config.gateway.http_port:
+            self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
+                                  self.max_model_len, config.gateway.request_timeout_s, self._ask_from_http,
+                                  lambda message: self._tell(("http", message)), self.status, self.metrics_text)
         self._ref: ActorRef | None = None
 
     def _new_id(self) -> str:
@@ -145,7 +152,16 @@ class Gateway(Actor):
         except MailboxFullError:
             self.counters[f"dropped_busy_{type(message).__name__.lower()}"] += 1
 
+    async def _ask_from_http(self, message: object) -> PdrtError | None:
+        """An HTTP handler's client message, taken by the actor in turn; its refusal comes back."""
+        assert self._ref is not None
+        return await self._ref.ask(("http", message), HTTP_ASK_TIMEOUT_S)
+
     def _reply(self, identity: bytes, message: msgspec.Struct) -> None:
+        if identity == HTTP_IDENTITY:
+            assert self.http is not None
+            self.http.deliver(message)
+            return
         try:
             self.clients.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client left, or stopped reading
@@ -165,7 +181,9 @@ class Gateway(Actor):
 
     # -- dispatch -------------------------------------------------------------------
 
-    async def on_receive(self, message: object) -> None:
+    async def on_receive(self, message: object) -> PdrtError | None:
+        if isinstance(message, tuple) and message[0] == "http":
+            return self._client_message(HTTP_IDENTITY, message[1])
         if isinstance(message, tuple):
             self._client_frame(message[1], message[2])
         elif isinstance(message, StepOutputs):
@@ -186,6 +204,7 @@ class Gateway(Actor):
             self._expire()
         else:
             log.warning("gateway ignored a message", message=type(message).__name__)
+        return None
 
     def _worker_lost(self, worker: WorkerInfo) -> None:
         log.warning("worker lost", process=worker.process_id, role=worker.role)
@@ -218,7 +237,14 @@ class Gateway(Actor):
         elif identity not in self.handshaken:
             self._reply(identity, Error("handshake_required", "send Hello with the protocol version first",
                                         _request_id(message)))
-        elif isinstance(message, Cancel):
+        else:
+            error = self._client_message(identity, message)
+            if error is not None:
+                self._reply(identity, Error(error.code, str(error), _request_id(message)))
+
+    def _client_message(self, identity: bytes, message: object) -> PdrtError | None:
+        """Take a decoded client message (native or HTTP); a refusal is returned, for the caller to report."""
+        if isinstance(message, Cancel):
             self.table.cancel(identity, message.request_id)
         elif isinstance(message, GetStatus):
             self._reply(identity, self.status())
@@ -228,7 +254,8 @@ class Gateway(Actor):
             try:
                 self._client_request(identity, message)
             except PdrtError as exc:
-                self._reply(identity, Error(exc.code, str(exc), _request_id(message)))
+                return exc
+        return None
 
     def _client_request(self, identity: bytes, message: object) -> None:
         if isinstance(message, Generate):
@@ -245,6 +272,8 @@ class Gateway(Actor):
             self._submit(identity, message)
         elif isinstance(message, DraftAbandon):
             self.drafts.abandon(identity, message.draft_id)
+        elif isinstance(message, DraftText):
+            self.drafts.set_text(identity, message.draft_id, message.text)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -291,6 +320,17 @@ class Gateway(Actor):
             counters.update({f"warmup_dropped_{k}": v for k, v in guard.dropped.items()})
         return Status(sorted(workers, key=lambda w: w.process_id), len(self.table.by_client), counters)
 
+    def metrics_text(self) -> bytes:
+        """Prometheus text of the gateway's counters and of each live worker's load."""
+        status = self.status()
+        lines = ["# TYPE pdrt_gateway_events_total counter"]
+        lines += [f'pdrt_gateway_events_total{{event="{k}"}} {v}' for k, v in sorted(status.counters.items())]
+        lines += ["# TYPE pdrt_gateway_open_requests gauge", f"pdrt_gateway_open_requests {status.num_open_requests}",
+                  "# TYPE pdrt_worker_kv_blocks_used gauge"]
+        lines += [f'pdrt_worker_kv_blocks_used{{process="{w.process_id}",role="{w.role}"}} {w.load.num_used_blocks}'
+                  for w in status.workers]
+        return ("\n".join(lines) + "\n").encode()
+
     # -- life cycle ----------------------------------------------------------------------
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -300,6 +340,8 @@ class Gateway(Actor):
         tasks = [asyncio.create_task(self._read_clients()), asyncio.create_task(self._tick())]
         if self.warmup_listener is not None:
             await self.warmup_listener.start()
+        if self.http is not None:
+            await self.http.start()
         log.info("gateway serving", address=self.config.gateway_address, model=self.model_name,
                  max_model_len=self.max_model_len)
         try:
@@ -310,6 +352,8 @@ class Gateway(Actor):
                 task.cancel()
             if self.warmup_listener is not None:
                 self.warmup_listener.close()
+            if self.http is not None:
+                await self.http.stop()
             self.link.close()
             self.inbox.close()
             await self._ref.stop()

@@ -21,6 +21,7 @@ from pdrt.engine.sampling_params import SamplingParams
 from pdrt.errors import (
     DuplicateRequestError,
     InvalidRequestError,
+    OverloadedError,
     PdrtError,
     RequestTimeoutError,
     UnavailableError,
@@ -68,7 +69,7 @@ class RequestTable:
         if (identity, request_id) in self.by_client:
             raise DuplicateRequestError(f"request {request_id!r} is already open")
         if len(self.by_client) >= self.config.max_open_requests:
-            raise UnavailableError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
+            raise OverloadedError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
         if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):
             raise InvalidRequestError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
         deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)

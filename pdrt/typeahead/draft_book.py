@@ -101,6 +101,12 @@ class DraftBook:
         draft.tokens.text = draft.text[: message.num_kept_chars] + message.text
         self._sync(draft, force=message.num_kept_chars < len(draft.synced_text))
 
+    def set_text(self, identity: bytes, draft_id: str, text: str) -> None:
+        """The input box now reads `text` (HTTP clients send the whole box): keep the common prefix, edit the rest."""
+        draft = self._get(identity, draft_id)
+        kept = common_prefix_len(list(draft.text), list(text))
+        self.replace(identity, DraftReplace(draft_id, kept, text[kept:]))
+
     def _sync(self, draft: GatewayDraft, force: bool = False) -> None:
         """Send the worker the change in the draft's stable tokens, if there is one."""
         if not force and len(draft.text) - len(draft.synced_text) < SYNC_CHARS:

@@ -1,0 +1,277 @@
+"""The HTTP front of the gateway (aiohttp, on the gateway's own event loop), and the routes it serves.
+
+Every request over HTTP takes the same path as one over the native
+protocol: the handler turns it into the same client message and asks the
+gateway actor to take it, under one reserved client identity; the gateway's
+replies for that identity come back here (`deliver`) and are sorted by
+request id into per-request queues. A handler whose client disconnects is
+cancelled (aiohttp's handler cancellation) and cancels its request, so its
+KV is freed.
+
+Routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models` (OpenAI);
+`/v1/pdrt/drafts...` and `/v1/pdrt/warmup` (type-ahead and warmup for
+browsers); `/health`, `/metrics`; `/` and `/static/*` (the demo page).
+With an API key configured, every `/v1/` route needs `Authorization: Bearer`.
+"""
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from pdrt.errors import InvalidRequestError, PdrtError
+from pdrt.http.openai_api import (
+    Response,
+    chat_messages,
+    chat_request,
+    completion_request,
+    error_body,
+    error_of,
+    include_usage,
+    sampling_params,
+)
+from pdrt.wire import Cancel, DraftAbandon, DraftOpen, DraftSubmit, Error, Generate, Status, Tokens, Warmup
+
+log = structlog.get_logger(__name__)
+
+HTTP_IDENTITY = b"\x00http"  # the client identity of everything that comes in over HTTP
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DraftText:
+    """HTTP's way to edit a draft: the input box now reads `text`; the gateway works out the change."""
+
+    draft_id: str
+    text: str
+
+
+class HttpFront:
+    def __init__(self, host: str, port: int, api_key: str, model: str, context_length: int, request_timeout_s: float,
+                 ask: Callable[[object], Awaitable[PdrtError | None]], tell: Callable[[object], None],
+                 status: Callable[[], Status], metrics: Callable[[], bytes]) -> None:
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.model = model
+        self.context_length = context_length
+        self.wait_s = request_timeout_s + 30.0  # the gateway ends every request by its deadline; this is a backstop
+        self.ask, self.tell = ask, tell
+        self.status, self.metrics = status, metrics
+        self.queues: dict[str, asyncio.Queue[Tokens | Error]] = {}
+        self.runner: web.AppRunner | None = None
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.add_routes([
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.post("/v1/pdrt/drafts", self.open_draft),
+            web.put("/v1/pdrt/drafts/{draft_id}", self.draft_text),
+            web.post("/v1/pdrt/drafts/{draft_id}/submit", self.submit_draft),
+            web.delete("/v1/pdrt/drafts/{draft_id}", self.abandon_draft),
+            web.post("/v1/pdrt/warmup", self.warmup),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+            web.get("/", self.index),
+        ])
+        if STATIC_DIR.is_dir():
+            app.router.add_static("/static/", STATIC_DIR)
+        self.app = app
+
+    async def start(self) -> None:
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port)
+        await site.start()
+        log.info("http serving", address=f"http://{self.host}:{self.port}")
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def deliver(self, message: msgspec.Struct) -> None:
+        """A reply of the gateway to the HTTP identity: to the queue of the request it belongs to."""
+        request_id = getattr(message, "request_id", None)
+        queue = self.queues.get(request_id) if request_id is not None else None
+        if queue is not None:
+            queue.put_nowait(message)
+
+    # -- middleware ---------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except PdrtError as exc:
+            status, body = error_of(exc)
+            return web.json_response(body, status=status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                status, body = error_body("unauthorized", "a valid API key is required: Authorization: Bearer KEY")
+                return web.json_response(body, status=status)
+        return await handler(request)
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InvalidRequestError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        return body
+
+    async def _take(self, message: object) -> None:
+        """Hand a client message to the gateway; its refusal is raised here (and becomes the HTTP error)."""
+        error = await self.ask(message)
+        if error is not None:
+            raise error
+
+    # -- OpenAI -------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        return await self._generate(request, chat_request(body, self.context_length), True, include_usage(body))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        return await self._generate(request, completion_request(body), False, include_usage(body))
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "pdrt",
+             "max_model_len": self.context_length}]})
+
+    async def _generate(self, request: web.Request, message: Generate | DraftSubmit, chat: bool,
+                        usage: bool) -> web.StreamResponse:
+        queue: asyncio.Queue[Tokens | Error] = asyncio.Queue()
+        self.queues[message.request_id] = queue
+        ended = False
+        try:
+            await self._take(message)
+            response = Response(chat, self.model)
+            if message.stream:
+                try:
+                    out = await self._stream(request, queue, response, usage)
+                except _HttpError as exc:  # the request failed before its first token: a plain error response
+                    ended = True
+                    return web.json_response(exc.body, status=exc.status)
+                ended = True
+                return out
+            while True:
+                frame = await asyncio.wait_for(queue.get(), self.wait_s)
+                if isinstance(frame, Error):
+                    ended = True
+                    status, body = error_body(frame.code, frame.message)
+                    return web.json_response(body, status=status)
+                response.add(frame)
+                if frame.finished:
+                    ended = True
+                    return web.json_response(response.body())
+        finally:
+            self.queues.pop(message.request_id, None)
+            if not ended:  # the client went away (or the wait gave up): free the request's KV
+                self.tell(Cancel(message.request_id))
+
+    async def _stream(self, request: web.Request, queue: asyncio.Queue[Tokens | Error], response: Response,
+                      usage: bool) -> web.StreamResponse:
+        """Send server-sent events until the request ends (finished, or failed after its first token)."""
+        frame = await asyncio.wait_for(queue.get(), self.wait_s)  # an early error still gets its status code
+        if isinstance(frame, Error):
+            status, body = error_body(frame.code, frame.message)
+            raise _HttpError(status, body)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        first = response.first_chunk()
+        if first is not None:
+            await _event(out, first)
+        while True:
+            if isinstance(frame, Error):
+                await _event(out, error_body(frame.code, frame.message)[1])
+                await out.write(b"data: [DONE]\n\n")
+                return out
+            response.add(frame)
+            chunk = response.chunk(frame)
+            if chunk is not None:
+                await _event(out, chunk)
+            if frame.finished:
+                if usage:
+                    await _event(out, response.usage_chunk())
+                await out.write(b"data: [DONE]\n\n")
+                await out.write_eof()
+                return out
+            frame = await asyncio.wait_for(queue.get(), self.wait_s)
+
+    # -- type-ahead and warmup ------------------------------------------------------------
+
+    async def open_draft(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        messages = None if body.get("messages") is None else chat_messages({"messages": body["messages"]}) \
+            if body["messages"] else []
+        draft_id = uuid.uuid4().hex
+        await self._take(DraftOpen(draft_id, messages, str(body.get("session_id") or "")))
+        return web.json_response({"draft_id": draft_id}, status=201)
+
+    async def draft_text(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if not isinstance(body.get("text"), str):
+            raise InvalidRequestError("'text' must be a string")
+        await self._take(DraftText(request.match_info["draft_id"], body["text"]))
+        return web.Response(status=204)
+
+    async def submit_draft(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        message = DraftSubmit(request.match_info["draft_id"], uuid.uuid4().hex,
+                              sampling_params(body, self.context_length), bool(body.get("stream", False)))
+        return await self._generate(request, message, True, include_usage(body))
+
+    async def abandon_draft(self, request: web.Request) -> web.Response:
+        await self._take(DraftAbandon(request.match_info["draft_id"]))
+        return web.Response(status=204)
+
+    async def warmup(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequestError("'session_id' must be a non-empty string")
+        self.tell(Warmup(session_id))
+        return web.Response(status=204)
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = self.status()
+        workers = [{"process": w.process_id, "role": w.role, "alive": w.alive} for w in status.workers]
+        ok = any(w.alive for w in status.workers)
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers,
+                                  "open_requests": status.num_open_requests}, status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        page = STATIC_DIR / "index.html"
+        if not page.is_file():
+            raise web.HTTPNotFound(text="the demo page is not installed")
+        return web.FileResponse(page)
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(body["error"]["message"])
+        self.status, self.body = status, body
+
+
+async def _event(out: web.StreamResponse, payload: dict) -> None:
+    await out.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
