@@ -216,8 +216,8 @@ class HttpFront:
 
     async def open_draft(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        messages = None if body.get("messages") is None else chat_messages({"messages": body["messages"]}) \
-            if body["messages"] else []
+        raw = body.get("messages")
+        messages = None if raw is None else chat_messages({"messages": raw}) if raw else []
         draft_id = uuid.uuid4().hex
         await self._take(DraftOpen(draft_id, messages, str(body.get("session_id") or "")))
         return web.json_response({"draft_id": draft_id}, status=201)
