@@ -112,6 +112,9 @@ class HttpFront:
         except PdrtError as exc:
             status, body = error_of(exc)
             return web.json_response(body, status=status)
+        except TimeoutError:  # a backstop wait gave up; the gateway's own deadline should have come first
+            status, body = error_body("timeout", "no answer from the gateway in time")
+            return web.json_response(body, status=status)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -199,6 +202,7 @@ class HttpFront:
             if isinstance(frame, Error):
                 await _event(out, error_body(frame.code, frame.message)[1])
                 await out.write(b"data: [DONE]\n\n")
+                await out.write_eof()
                 return out
             response.add(frame)
             chunk = response.chunk(frame)
@@ -217,6 +221,8 @@ class HttpFront:
     async def open_draft(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         raw = body.get("messages")
+        if raw is not None and not isinstance(raw, list):
+            raise InvalidRequestError("'messages' must be a list (possibly empty) or null")
         messages = None if raw is None else chat_messages({"messages": raw}) if raw else []
         draft_id = uuid.uuid4().hex
         await self._take(DraftOpen(draft_id, messages, str(body.get("session_id") or "")))

@@ -45,7 +45,7 @@ class Node:
                  engine: dict | None = None, extra: dict | None = None, ready_timeout_s: float = 120.0) -> None:
         self.gateway_port, self.controller_port = free_port(), free_port()
         settings: dict = {"model": model, "mode": mode, "transfer": transfer,
-                          "gateway": {"port": self.gateway_port},
+                          "gateway": {"port": self.gateway_port, "http_port": free_port()},
                           "controller": {"port": self.controller_port},
                           "engine": {"kv_cache_bytes": 64 << 20, **(engine or {})}}
         for key, value in (extra or {}).items():
