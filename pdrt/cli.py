@@ -219,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_arguments(chat)
     chat.add_argument("--system", help="a system message that opens the conversation")
     chat.set_defaults(func=cmd_chat)
+
+    from pdrt.bench.cli import add_arguments as add_bench_arguments
+    from pdrt.bench.cli import run_bench
+
+    bench = sub.add_parser("bench", help="open-loop load against a running server: latencies, SLO attainment, "
+                                         "goodput over a rate sweep")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
     return parser
 
 
