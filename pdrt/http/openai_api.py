@@ -48,9 +48,12 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = default_max_tokens if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens",
                                                                        int, None)
+    ignore_eos = body.get("ignore_eos", False)  # an extension vLLM also has: benchmarks force output lengths
+    if not isinstance(ignore_eos, bool):
+        raise InvalidRequestError("'ignore_eos' must be a boolean")
     return SamplingParams(temperature=_number(body, "temperature", float, 1.0),
                           top_p=_number(body, "top_p", float, 1.0), seed=_number(body, "seed", int, None),
-                          max_tokens=max_tokens, stop=stop or [])
+                          max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
 
 
 def chat_messages(body: dict) -> list[ChatMessage]:
