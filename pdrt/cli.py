@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "goodput over a rate sweep")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    from pdrt.metrics.status_table import add_status_parser
+
+    add_status_parser(sub)
     return parser
 
 

@@ -10,6 +10,8 @@ variables and then by command-line flags. Every table and key is optional:
 
     [gateway]
     port = 7100
+    ttft_slo_s = 1.0                          # the SLOs that goodput (and ETOP) count against
+    tpot_slo_s = 0.1
 
     [warmup]                                  # UDP warmup channel, off without a key
     port = 7102
@@ -17,6 +19,7 @@ variables and then by command-line flags. Every table and key is optional:
 
     [controller]
     port = 7101
+    metrics_port = 7103                       # Prometheus metrics of the whole node over HTTP; 0: off
 
     [engine]                                  # every worker's engine
     kv_cache_bytes = 1073741824
@@ -53,6 +56,8 @@ class GatewayConfig(_Table):
     max_drafts: int = 1024
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 10.0
+    ttft_slo_s: float = 1.0  # a request meets its SLOs with its first token within this many seconds
+    tpot_slo_s: float = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
 
 
 class WarmupConfig(_Table):
@@ -69,6 +74,7 @@ class ControllerConfig(_Table):
     port: int = 7101
     heartbeat_s: float = 0.25
     lease_s: float = 2.0
+    metrics_port: int = 7103  # HTTP: Prometheus text of every process, merged; 0 turns it off
 
 
 class EngineSettings(_Table):
@@ -120,6 +126,8 @@ class NodeConfig(_Table):
                 raise ConfigError(f"[{name}] port must be in 1..65535, got {port}")
         if self.controller.lease_s <= self.controller.heartbeat_s:
             raise ConfigError("[controller] lease_s must be longer than heartbeat_s")
+        if not (0 <= self.controller.metrics_port < 65536):
+            raise ConfigError(f"[controller] metrics_port must be in 0..65535, got {self.controller.metrics_port}")
 
     # -- addresses ------------------------------------------------------------
 

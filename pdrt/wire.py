@@ -348,8 +348,24 @@ class RequestFailed(msgspec.Struct, **_struct("request_failed")):
     retryable: bool = False
 
 
+class MetricsReport(msgspec.Struct, **_struct("metrics_report")):
+    """Any process -> controller, every second: its metrics as Prometheus text, unlabelled (pdrt.metrics)."""
+
+    process_id: str
+    incarnation: str
+    role: str
+    exposition: bytes
+
+
+class MetricsView(msgspec.Struct, **_struct("metrics_view")):
+    """Controller -> gateways, at most once a second: every process's metrics merged, labelled with process and role."""
+
+    exposition: bytes
+
+
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | PrefillRequest
-                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error)
+                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error
+                   | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)

@@ -14,9 +14,14 @@ Life cycle of a process in the controller:
 
 Gateways also get the `ClusterView` every heartbeat period, so their view of
 the load is never older than that.
+
+Every process also reports its metrics (`MetricsReport`); the controller
+merges them (pdrt.metrics.aggregator), serves the result on its metrics port,
+and sends it to the gateways (`MetricsView`) at most once a second.
 """
 
 import asyncio
+import time
 
 import msgspec
 import structlog
@@ -25,6 +30,8 @@ import zmq.asyncio
 
 from pdrt.actors.actor import Actor
 from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.metrics.aggregator import MetricsAggregator
+from pdrt.metrics.metrics_server import MetricsServer
 from pdrt.node_config import NodeConfig
 from pdrt.wire import (
     PROTOCOL_VERSION,
@@ -32,6 +39,8 @@ from pdrt.wire import (
     Error,
     Goodbye,
     Heartbeat,
+    MetricsReport,
+    MetricsView,
     ProcessLost,
     Register,
     Registered,
@@ -43,6 +52,8 @@ from .registry import Entry, Registry
 
 log = structlog.get_logger(__name__)
 
+METRICS_VIEW_S = 1.0  # how often gateways get the merged metrics
+
 
 class Controller(Actor):
     """An actor: frames from its socket and its own ticks arrive as messages, handled one at a time."""
@@ -51,6 +62,9 @@ class Controller(Actor):
         self.heartbeat_s = config.controller.heartbeat_s
         self.registry = Registry(config.controller.lease_s)
         self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True))
+        self.metrics = MetricsAggregator(self.registry)
+        self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)
+        self.metrics_sent_at = 0.0
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         try:
@@ -73,13 +87,25 @@ class Controller(Actor):
             for entry in self.registry.expire():
                 self._lost(entry, "lease expired")
             self._broadcast_view()
+            self._forward_metrics()
         else:
             self.handle(*message)
+
+    def _forward_metrics(self) -> None:
+        self.metrics.refresh()
+        gateways = self.registry.by_role("gateway")
+        if gateways and time.monotonic() - self.metrics_sent_at >= METRICS_VIEW_S:
+            self.metrics_sent_at = time.monotonic()
+            view = MetricsView(self.metrics.exposition())
+            for gateway in gateways:
+                self._send(gateway.identity, view)
 
     def handle(self, identity: bytes, message: object) -> None:
         if isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message.process_id, message.incarnation, message.load):
                 self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
+        elif isinstance(message, MetricsReport):
+            self.metrics.report(message)
         elif isinstance(message, Register):
             if message.protocol_version != PROTOCOL_VERSION:
                 self._send(identity, Error("unsupported_version", f"controller speaks protocol {PROTOCOL_VERSION}, "
@@ -118,10 +144,13 @@ class Controller(Actor):
         log.info("controller serving", heartbeat_s=self.heartbeat_s, lease_s=self.registry.lease_s)
         ref = self.start()
         tasks = [asyncio.create_task(self._read(ref)), asyncio.create_task(self._tick(ref))]
+        if self.metrics_server.port:
+            self.metrics_server.start()
         try:
             await stop.wait()
         finally:
             for task in tasks:
                 task.cancel()
             await ref.stop()
+            await self.metrics_server.close()
             self.socket.close()

@@ -4,7 +4,9 @@ The link registers (retrying until the controller answers), heartbeats every
 period the controller asked for, registers again when the controller no
 longer knows it (a restarted controller), and hands whatever else the
 controller sends (cluster views, lost processes) to `on_message`. `close`
-says goodbye so the process leaves the registry at once.
+says goodbye so the process leaves the registry at once. Every second it
+also reports the process's metrics (`MetricsReport`), which the controller
+merges (pdrt.metrics).
 """
 
 import asyncio
@@ -16,23 +18,38 @@ import zmq
 import zmq.asyncio
 
 from pdrt.actors.sockets import SocketSpec, make_socket
-from pdrt.wire import PROTOCOL_VERSION, Error, Goodbye, Heartbeat, Load, Register, Registered, encode, internal_decoder
+from pdrt.metrics.process_metrics import process_exposition
+from pdrt.wire import (
+    PROTOCOL_VERSION,
+    Error,
+    Goodbye,
+    Heartbeat,
+    Load,
+    MetricsReport,
+    Register,
+    Registered,
+    encode,
+    internal_decoder,
+)
 
 log = structlog.get_logger(__name__)
 
 REGISTER_TIMEOUT_S = 2.0
+METRICS_REPORT_S = 1.0
 
 
 class ControllerLink:
     def __init__(self, ctx: zmq.asyncio.Context, controller_address: str, process_id: str, incarnation: str,
                  role: str, address: str, load: Callable[[], Load],
-                 on_message: Callable[[object], None] | None = None) -> None:
+                 on_message: Callable[[object], None] | None = None,
+                 metrics: Callable[[], bytes | None] = process_exposition) -> None:
         self.process_id = process_id
         self.incarnation = incarnation
         self.role = role
         self.address = address
         self.load = load
         self.on_message = on_message
+        self.metrics = metrics
         self.socket = make_socket(ctx, SocketSpec(zmq.DEALER, controller_address, bind=False,
                                                   identity=f"{process_id}.{self.incarnation}".encode()))
         self.registered = asyncio.Event()
@@ -40,7 +57,8 @@ class ControllerLink:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat())]
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat()),
+                       asyncio.create_task(self._report())]
 
     def _send(self, message: msgspec.Struct) -> None:
         try:
@@ -83,6 +101,17 @@ class ControllerLink:
             while self.registered.is_set():
                 self._send(Heartbeat(self.process_id, self.incarnation, self.load()))
                 await asyncio.sleep(self.heartbeat_s)
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_REPORT_S)
+            try:
+                exposition = self.metrics()
+            except Exception:  # a broken collector costs the metrics, never the link
+                log.exception("metrics could not be collected")
+                continue
+            if exposition is not None and self.registered.is_set():
+                self._send(MetricsReport(self.process_id, self.incarnation, self.role, exposition))
 
     def close(self) -> None:
         for task in self._tasks:

@@ -80,6 +80,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.num_computed_prompt_tokens = 0
         self.last_step_ran = False  # False when the last step found nothing it could schedule
+        self.last_batch = ScheduledBatch()  # what the last step ran, for the worker's metrics
         self.num_draft_rollbacks = 0
         self.num_draft_tokens_rolled_back = 0
         self.num_draft_tokens_ahead = 0  # draft tokens whose KV was computed before submit
@@ -263,6 +264,7 @@ class LLMEngine:
         """One forward pass: schedule, run the model, apply the sampled tokens."""
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
+        self.last_batch = batch
         if batch.is_empty:
             return []
         sample_seqs = batch.sample_seqs()

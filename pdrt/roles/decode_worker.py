@@ -102,10 +102,12 @@ class DecodeWorker(EngineWorker):
             try:
                 self.puller.pull(handoff.source, handoff.request_id, handoff.block_ids[skip:],
                                  reservation.block_ids[skip:], handoff.lease_expires_at, PULL_TIMEOUT_S)
+                self.metrics.pulled(time.perf_counter() - start, len(handoff.block_ids) - skip)
                 return time.perf_counter() - start
             except TransferError as exc:
                 log.warning("kv pull failed", request_id=handoff.request_id, attempt=attempt, error=str(exc))
                 if attempt == PULL_ATTEMPTS or time.monotonic() > handoff.lease_expires_at:
+                    self.metrics.pull_failed()
                     raise
         raise AssertionError("unreachable")
 

@@ -35,6 +35,7 @@ from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
 from pdrt.errors import PdrtError
+from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Inbox, Outbox
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
@@ -67,6 +68,7 @@ class EngineWorker(Actor):
         self.drafts: dict[str, float] = {}  # draft id -> time of its last update
         self.draft_ttl_s = config.engine.draft_ttl_s
         self._load = Load()
+        self.metrics = WorkerMetrics(self.role, self.engine, self.load)
         self._ref: ActorRef | None = None
 
     # -- messages -------------------------------------------------------------
@@ -165,7 +167,9 @@ class EngineWorker(Actor):
             self._apply_ops()
             self._load = self._measure_load()  # what just arrived counts before the (maybe long) step
             if self.engine.has_unfinished():
+                started = time.perf_counter()
                 outputs = await loop.run_in_executor(self.executor, self.engine.step)
+                self.metrics.stepped(started)
                 if outputs:
                     self.emit(outputs)
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op

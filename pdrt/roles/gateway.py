@@ -46,6 +46,7 @@ from pdrt.errors import (
     UnavailableError,
 )
 from pdrt.http.server import HTTP_IDENTITY, DraftText, HttpFront
+from pdrt.metrics.gateway_view import GatewayMetricsView
 from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.messaging import Inbox, Outbox
@@ -71,6 +72,7 @@ from pdrt.wire import (
     GetStatus,
     Hello,
     Load,
+    MetricsView,
     ProcessLost,
     Ready,
     RequestFailed,
@@ -133,6 +135,7 @@ class Gateway(Actor):
             self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
                                   self.max_model_len, config.gateway.request_timeout_s, self._ask_from_http,
                                   lambda message: self._tell(("http", message)), self.status, self.metrics_text)
+        self.metrics_view = GatewayMetricsView(self.table.metrics, self.status, process_id)
         self._ref: ActorRef | None = None
 
     def _new_id(self) -> str:
@@ -200,6 +203,8 @@ class Gateway(Actor):
             worker = self.router.remove(message.process_id, message.incarnation)
             if worker is not None:
                 self._worker_lost(worker)
+        elif isinstance(message, MetricsView):
+            self.metrics_view.update(message)
         elif message == "tick":
             self._expire()
         else:

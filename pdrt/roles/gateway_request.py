@@ -7,6 +7,7 @@ characters, since they could turn out to be the start of a stop string that
 the client must never see.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,10 @@ class GatewayRequest:
     session_id: str = ""
     messages: list[dict[str, str]] | None = None  # a chat request's messages, remembered for its session
     preferred: WorkerInfo | None = None  # the prefill worker holding this session's warmup or draft
+    admitted_at: float = field(default_factory=time.monotonic)  # these four time the request's metrics
+    sent_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
     @property
     def answer(self) -> str:

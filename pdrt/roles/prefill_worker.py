@@ -94,12 +94,14 @@ class PrefillWorker(EngineWorker):
             deadline = time.monotonic() + self.lease_s
             self.source.export(out.request_id, out.kv_block_ids, deadline)
             self.held[out.request_id] = deadline
+            self.metrics.handoff_sent(len(out.kv_block_ids))
             self.outbox.send(request.decode_address, KVHandoff(
                 out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, request_id: str, acked: bool = True) -> None:
         if self.held.pop(request_id, None) is not None:
+            self.metrics.handoff_settled(acked)
             self.source.withdraw(request_id)
             self.engine.release(request_id)
 
@@ -107,7 +109,7 @@ class PrefillWorker(EngineWorker):
         now = time.monotonic()
         for request_id in [rid for rid, deadline in self.held.items() if deadline < now]:
             log.warning("kv lease expired without an acknowledgement", request_id=request_id)
-            self._release(request_id)
+            self._release(request_id, acked=False)
 
     def close(self) -> None:
         self.source.close()

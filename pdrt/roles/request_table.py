@@ -27,6 +27,7 @@ from pdrt.errors import (
     UnavailableError,
     WorkerLostError,
 )
+from pdrt.metrics.gateway_metrics import GatewayMetrics
 from pdrt.node_config import GatewayConfig
 from pdrt.roles.gateway_request import GatewayRequest
 from pdrt.roles.messaging import Outbox
@@ -59,6 +60,7 @@ class RequestTable:
         self.by_client: dict[tuple[bytes, str], GatewayRequest] = {}
         self.unrouted: deque[GatewayRequest] = deque()
         self.admitting = True
+        self.metrics = GatewayMetrics(config)
 
     # -- admission ----------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class RequestTable:
             message = PrefillRequest(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
                                      decode_address)
         self.outbox.send(prefill.address, message)
+        self.metrics.sent(req)
         return True
 
     def route_waiting(self) -> None:
@@ -141,6 +144,7 @@ class RequestTable:
             self.unrouted.remove(req)
         if self.by_client.pop((req.identity, req.request_id), None) is not None:
             self.reply(req.identity, final)
+            self.metrics.ended(req, final)
 
     def fail(self, req: GatewayRequest, error: PdrtError) -> None:
         self.end(req, Error(error.code, str(error), req.request_id), abort=True)
@@ -170,6 +174,7 @@ class RequestTable:
                         self._take(req, later)
 
     def _take(self, req: GatewayRequest, out: RequestOutput) -> None:
+        self.metrics.tokens(req, len(out.new_token_ids))
         frame, finished = req.add(out)
         if finished:
             if req.session_id and req.messages is not None:
@@ -222,6 +227,7 @@ class RequestTable:
             if req in self.unrouted:
                 self.unrouted.remove(req)
             del self.by_client[(req.identity, req.request_id)]
+            self.metrics.ended(req, None)
 
     def end_all(self, error: PdrtError) -> None:
         for req in list(self.by_client.values()):

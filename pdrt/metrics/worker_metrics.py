@@ -1,0 +1,158 @@
+"""What a worker measures: its engine's steps and prefills, its KV pool and prefix cache, and its KV transfers.
+
+The engine loop calls `stepped` once per step (two `observe()` calls and,
+where prompts are prefilled, a walk over the step's sequences that reads a
+couple of attributes of each); the transfer paths call
+the `handoff_*` (prefill) and `pull*` (decode) hooks once per request. The
+rest (blocks in use, prefix-cache hits, queue lengths, draft counters, PSI
+and DS) is read from the engine and the worker's load only when the metrics
+are collected, so it costs the hot loop nothing.
+
+A request's prefill time runs from the start of the step that scheduled its
+first chunk (after its submit, for a draft) to the end of the step that
+sampled its first token.
+"""
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from pdrt.engine.llm_engine import LLMEngine
+from pdrt.engine.scheduler import ScheduledBatch
+from pdrt.metrics.health import DS_WINDOW, PSI_WINDOW, decoding_smoothness, prefill_stability
+from pdrt.metrics.process_metrics import install, new_registry
+from pdrt.wire import Load
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, float("inf"))
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, float("inf"))
+PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, float("inf"))
+BYTE_BUCKETS = tuple(float(4 ** k) for k in range(6, 17)) + (float("inf"),)  # 4 KiB .. 4 GiB
+PREFILLING_ROLES = ("prefill", "colocated")  # a decode worker never samples a prefill
+MAX_TRACKED_PREFILLS = 4096  # beyond this, forget prefills whose request is gone (aborted mid-prefill)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, engine: LLMEngine, load: Callable[[], Load]) -> None:
+        self.role = role
+        self.engine = engine
+        self.bytes_per_block = engine.pool.layout.bytes_per_block
+        self.registry = r = new_registry()
+        install(r)
+        self.step_seconds = Histogram("pdrt_worker_step_seconds", "Latency of one engine step that ran",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.step_tokens = Histogram("pdrt_worker_step_tokens", "Tokens one engine step computed (decodes and "
+                                     "prefill chunks)", buckets=STEP_TOKEN_BUCKETS, registry=r)
+        self.decode_steps: deque[float] = deque(maxlen=DS_WINDOW)
+        self.prefill_times: deque[float] = deque(maxlen=PSI_WINDOW)
+        self.prefill_started: dict[str, float] = {}  # request id -> perf_counter of its first chunk's step
+        if role in PREFILLING_ROLES:
+            self.prefill_seconds = Histogram("pdrt_worker_prefill_seconds", "First chunk scheduled -> first token, "
+                                             "per request", buckets=PREFILL_BUCKETS, registry=r)
+        if role == "prefill":
+            handoffs = Counter("pdrt_kv_handoffs", "KV handoffs to decode workers: sent, then acked or expired",
+                               ["result"], registry=r)
+            self.handoffs_sent, self.handoffs_acked, self.handoffs_expired = (
+                handoffs.labels(x) for x in ("sent", "acked", "expired"))
+            self.handoff_bytes = Counter("pdrt_kv_handoff_bytes", "Bytes of KV handed off", registry=r)
+        if role == "decode":
+            pulls = Counter("pdrt_kv_pulls", "KV transfers from prefill workers, by result", ["result"], registry=r)
+            self.pulls_succeeded, self.pulls_failed = pulls.labels("succeeded"), pulls.labels("failed")
+            self.transfer_seconds = Histogram("pdrt_kv_transfer_seconds", "Time to pull one request's KV",
+                                              buckets=TRANSFER_BUCKETS, registry=r)
+            self.transfer_bytes = Histogram("pdrt_kv_transfer_bytes", "Bytes pulled for one request (prefix-cache "
+                                            "hits excluded)", buckets=BYTE_BUCKETS, registry=r)
+        r.register(_EngineCollector(self, load))
+
+    # -- hooks ----------------------------------------------------------------------
+
+    def stepped(self, started: float) -> None:
+        """After an engine step that began at `started` (time.perf_counter())."""
+        batch = self.engine.last_batch
+        if batch.is_empty:
+            return
+        now = time.perf_counter()
+        self.step_seconds.observe(now - started)
+        if batch.decodes:
+            self.decode_steps.append(now - started)
+        self.step_tokens.observe(len(batch.decodes) + sum(n for _, n in batch.prefills))
+        if self.role in PREFILLING_ROLES:
+            self._prefills(batch, started, now)
+
+    def _prefills(self, batch: ScheduledBatch, started: float, now: float) -> None:
+        """Start and end the prefill times of this step's prompts.
+
+        A chunk of one token is placed among the decodes, so a prompt shows
+        up on either side; a sequence with more than one output token is a
+        decode, or a recompute after preemption, and not a prefill.
+        """
+        for seq in itertools.chain((seq for seq, _ in batch.prefills), batch.decodes):
+            if seq.num_output_tokens <= 1 and not seq.is_draft and seq.request_id not in self.prefill_started:
+                self.prefill_started[seq.request_id] = started
+        for seq in itertools.chain(batch.prefill_samples, batch.decode_samples):
+            if seq.num_output_tokens == 1:
+                seconds = now - self.prefill_started.pop(seq.request_id, started)
+                self.prefill_seconds.observe(seconds)
+                self.prefill_times.append(seconds)
+        if len(self.prefill_started) > MAX_TRACKED_PREFILLS:
+            self.prefill_started = {k: v for k, v in self.prefill_started.items() if k in self.engine.sequences}
+
+    def handoff_sent(self, num_blocks: int) -> None:
+        self.handoffs_sent.inc()
+        self.handoff_bytes.inc(num_blocks * self.bytes_per_block)
+
+    def handoff_settled(self, acked: bool) -> None:
+        (self.handoffs_acked if acked else self.handoffs_expired).inc()
+
+    def pulled(self, seconds: float, num_blocks: int) -> None:
+        """On the transfer thread (prometheus_client's metrics take their own locks)."""
+        self.pulls_succeeded.inc()
+        self.transfer_seconds.observe(seconds)
+        self.transfer_bytes.observe(num_blocks * self.bytes_per_block)
+
+    def pull_failed(self) -> None:
+        self.pulls_failed.inc()
+
+
+class _EngineCollector:
+    """The engine's and the load's state, read when collected."""
+
+    def __init__(self, metrics: WorkerMetrics, load: Callable[[], Load]) -> None:
+        self.metrics = metrics
+        self.load = load
+
+    def collect(self) -> Iterator[Metric]:
+        m, load = self.metrics, self.load()
+        engine, blocks = m.engine, m.engine.block_manager
+        yield GaugeMetricFamily("pdrt_worker_kv_blocks_used", "KV blocks in use", value=load.num_used_blocks)
+        yield GaugeMetricFamily("pdrt_worker_kv_blocks", "KV blocks in the pool", value=load.num_blocks)
+        yield GaugeMetricFamily("pdrt_worker_running_sequences", "Sequences the scheduler runs", value=load.num_running)
+        yield GaugeMetricFamily("pdrt_worker_waiting_sequences", "Sequences waiting to be scheduled",
+                                value=load.num_waiting)
+        yield GaugeMetricFamily("pdrt_worker_held_sequences", "Prefilled sequences holding KV for a handoff",
+                                value=load.num_held)
+        yield GaugeMetricFamily("pdrt_worker_drafts", "Prompts being typed, prefilled ahead", value=load.num_drafts)
+        yield CounterMetricFamily("pdrt_worker_prefix_cache_queries", "Blocks looked up in the prefix cache",
+                                  value=blocks.num_prefix_queries)
+        yield CounterMetricFamily("pdrt_worker_prefix_cache_hits", "Blocks found in the prefix cache",
+                                  value=blocks.num_prefix_hits)
+        rate = blocks.num_prefix_hits / blocks.num_prefix_queries if blocks.num_prefix_queries else math.nan
+        yield GaugeMetricFamily("pdrt_worker_prefix_cache_hit_rate", "Prefix-cache hits / queries", value=rate)
+        yield CounterMetricFamily("pdrt_worker_prefill_tokens", "Prompt tokens computed (cache hits excluded)",
+                                  value=engine.num_computed_prompt_tokens)
+        yield CounterMetricFamily("pdrt_worker_draft_tokens_ahead", "Draft tokens whose KV was ready before submit",
+                                  value=engine.num_draft_tokens_ahead)
+        yield CounterMetricFamily("pdrt_worker_draft_rollbacks", "Draft edits that rolled computed KV back",
+                                  value=engine.num_draft_rollbacks)
+        if m.role in PREFILLING_ROLES:
+            yield GaugeMetricFamily("pdrt_health_psi", "Prefill stability: mean/std of recent prefill times "
+                                    "(target > 8)", value=prefill_stability(m.prefill_times))
+        if m.role in ("decode", "colocated"):
+            yield GaugeMetricFamily("pdrt_health_ds", "Decoding smoothness: std/mean of the last 10 decode step "
+                                    "latencies (target < 0.15)", value=decoding_smoothness(m.decode_steps))
