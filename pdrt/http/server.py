@@ -37,6 +37,7 @@ from pdrt.http.openai_api import (
     include_usage,
     sampling_params,
 )
+from pdrt.metrics.gateway_view import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdrt.wire import Cancel, DraftAbandon, DraftOpen, DraftSubmit, Error, Generate, Status, Tokens, Warmup
 
 log = structlog.get_logger(__name__)
@@ -263,8 +264,7 @@ class HttpFront:
                                   "open_requests": status.num_open_requests}, status=200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(body=self.metrics(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def index(self, request: web.Request) -> web.StreamResponse:
         page = STATIC_DIR / "index.html"

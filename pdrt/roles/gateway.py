@@ -134,7 +134,8 @@ class Gateway(Actor):
         if config.gateway.http_port:
             self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
                                   self.max_model_len, config.gateway.request_timeout_s, self._ask_from_http,
-                                  lambda message: self._tell(("http", message)), self.status, self.metrics_text)
+                                  lambda message: self._tell(("http", message)), self.status,
+                                  lambda: self.metrics_view.exposition())
         self.metrics_view = GatewayMetricsView(self.table.metrics, self.status, process_id)
         self._ref: ActorRef | None = None
 
@@ -324,17 +325,6 @@ class Gateway(Actor):
             counters["warmup_datagrams_accepted"] = guard.accepted
             counters.update({f"warmup_dropped_{k}": v for k, v in guard.dropped.items()})
         return Status(sorted(workers, key=lambda w: w.process_id), len(self.table.by_client), counters)
-
-    def metrics_text(self) -> bytes:
-        """Prometheus text of the gateway's counters and of each live worker's load."""
-        status = self.status()
-        lines = ["# TYPE pdrt_gateway_events_total counter"]
-        lines += [f'pdrt_gateway_events_total{{event="{k}"}} {v}' for k, v in sorted(status.counters.items())]
-        lines += ["# TYPE pdrt_gateway_open_requests gauge", f"pdrt_gateway_open_requests {status.num_open_requests}",
-                  "# TYPE pdrt_worker_kv_blocks_used gauge"]
-        lines += [f'pdrt_worker_kv_blocks_used{{process="{w.process_id}",role="{w.role}"}} {w.load.num_used_blocks}'
-                  for w in status.workers]
-        return ("\n".join(lines) + "\n").encode()
 
     # -- life cycle ----------------------------------------------------------------------
 

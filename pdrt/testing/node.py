@@ -46,7 +46,7 @@ class Node:
         self.gateway_port, self.controller_port = free_port(), free_port()
         settings: dict = {"model": model, "mode": mode, "transfer": transfer,
                           "gateway": {"port": self.gateway_port, "http_port": free_port()},
-                          "controller": {"port": self.controller_port},
+                          "controller": {"port": self.controller_port, "metrics_port": free_port()},
                           "engine": {"kv_cache_bytes": 64 << 20, **(engine or {})}}
         for key, value in (extra or {}).items():
             if isinstance(value, dict):
