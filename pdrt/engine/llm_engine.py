@@ -190,8 +190,11 @@ class LLMEngine:
         self._check_prompt(new_token_ids, total, total + params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise InvalidSamplingParamsError("stop strings need a tokenizer, and this model has none")
-        self.num_draft_tokens_ahead += min(num_kept, seq.num_computed_tokens)
+        ahead = min(num_kept, seq.num_computed_tokens)
+        self.num_draft_tokens_ahead += ahead
         self.update_draft(request_id, num_kept, new_token_ids)
+        # For the request, the prompt computed ahead is as good as cached: usage reports it so.
+        seq.num_cached_tokens = max(seq.num_cached_tokens, min(ahead, seq.num_computed_tokens))
         seq.params = params
         seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq.prompt_is_final = True
