@@ -1,5 +1,6 @@
 """The whole system through `pdrt up` in a subprocess: real processes, sockets and shared memory, a tiny model."""
 
+import json
 import os
 import random
 import time
@@ -127,6 +128,16 @@ def test_malformed_frames_get_error_replies_and_the_gateway_keeps_serving(node, 
     assert client.ask(Generate("z", token_ids=[1] * 5000)).code == "prompt_too_long"
     assert client.ask(Cancel("never-sent")).code == "unknown_request"
     assert client.generate_many([prompts[3]], GREEDY)["r0"] == references["llama"].greedy(prompts[3])
+
+
+def test_one_request_id_follows_a_request_through_the_logs_of_every_process(node, client, prompts):
+    assert client.generate_many([prompts[6]], GREEDY)["r0"]
+    time.sleep(0.5)  # let the processes' log lines reach the supervisor's stderr
+    lines = [json.loads(line) for line in node.log_path.read_text().splitlines() if line.startswith("{")]
+    routed = [ln for ln in lines if ln.get("event") == "request routed" and ln.get("client_request_id") == "r0"]
+    request_id = routed[-1]["request_id"]
+    processes = {ln["process"] for ln in lines if ln.get("request_id") == request_id}
+    assert {"gateway", "prefill-0", "decode-0"} <= processes
 
 
 def test_kill_9_of_the_decode_worker_ends_its_requests_within_5_s_and_it_is_restarted(node, client, prompts,

@@ -161,15 +161,16 @@ class HttpFront:
         queue: asyncio.Queue[Tokens | Error] = asyncio.Queue()
         self.queues[message.request_id] = queue
         ended = False
+        ids = {"X-Request-Id": message.request_id}  # the gateway logs it as client_request_id
         try:
             await self._take(message)
             response = Response(chat, self.model)
             if message.stream:
                 try:
-                    out = await self._stream(request, queue, response, usage)
+                    out = await self._stream(request, queue, response, usage, ids)
                 except _HttpError as exc:  # the request failed before its first token: a plain error response
                     ended = True
-                    return web.json_response(exc.body, status=exc.status)
+                    return web.json_response(exc.body, status=exc.status, headers=ids)
                 ended = True
                 return out
             while True:
@@ -177,24 +178,25 @@ class HttpFront:
                 if isinstance(frame, Error):
                     ended = True
                     status, body = error_body(frame.code, frame.message)
-                    return web.json_response(body, status=status)
+                    return web.json_response(body, status=status, headers=ids)
                 response.add(frame)
                 if frame.finished:
                     ended = True
-                    return web.json_response(response.body())
+                    return web.json_response(response.body(), headers=ids)
         finally:
             self.queues.pop(message.request_id, None)
             if not ended:  # the client went away (or the wait gave up): free the request's KV
                 self.tell(Cancel(message.request_id))
 
     async def _stream(self, request: web.Request, queue: asyncio.Queue[Tokens | Error], response: Response,
-                      usage: bool) -> web.StreamResponse:
+                      usage: bool, headers: dict[str, str]) -> web.StreamResponse:
         """Send server-sent events until the request ends (finished, or failed after its first token)."""
         frame = await asyncio.wait_for(queue.get(), self.wait_s)  # an early error still gets its status code
         if isinstance(frame, Error):
             status, body = error_body(frame.code, frame.message)
             raise _HttpError(status, body)
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          **headers})
         await out.prepare(request)
         first = response.first_chunk()
         if first is not None:

@@ -123,7 +123,7 @@ class DecodeWorker(EngineWorker):
             raise exc if isinstance(exc, PdrtError) else TransferError(f"kv pull crashed: {exc!r}")
         else:
             self.engine.commit_import(rid)
-            log.debug("kv imported", request_id=rid, blocks=len(handoff.block_ids), seconds=future.result())
+            log.info("kv imported", request_id=rid, blocks=len(handoff.block_ids), seconds=round(future.result(), 6))
 
     def after_step(self) -> None:
         now = time.monotonic()

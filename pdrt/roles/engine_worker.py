@@ -187,6 +187,9 @@ class EngineWorker(Actor):
             reply_to = self.reply_to.pop(out.request_id) if out.finished else self.reply_to.get(out.request_id)
             if reply_to is not None:
                 by_gateway.setdefault(reply_to, []).append(out)
+            if out.finished:
+                log.info("request finished", request_id=out.request_id, finish_reason=out.finish_reason,
+                         prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens)
         for reply_to, outs in by_gateway.items():
             self.outbox.send(reply_to, StepOutputs(self.process_id, outs))
 

@@ -95,6 +95,8 @@ class PrefillWorker(EngineWorker):
             self.source.export(out.request_id, out.kv_block_ids, deadline)
             self.held[out.request_id] = deadline
             self.metrics.handoff_sent(len(out.kv_block_ids))
+            log.info("prefill handed off", request_id=out.request_id, blocks=len(out.kv_block_ids),
+                     cached_tokens=out.num_cached_tokens, decode=request.decode_address)
             self.outbox.send(request.decode_address, KVHandoff(
                 out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))

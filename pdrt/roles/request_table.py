@@ -119,6 +119,9 @@ class RequestTable:
                                      decode_address)
         self.outbox.send(prefill.address, message)
         self.metrics.sent(req)
+        log.info("request routed", request_id=req.internal_id, client_request_id=req.request_id,
+                 prompt_tokens=len(req.prompt_token_ids), prefill=prefill.process_id,
+                 decode=decode.process_id if decode else None, from_draft=held)
         return True
 
     def route_waiting(self) -> None:
@@ -145,13 +148,17 @@ class RequestTable:
         if self.by_client.pop((req.identity, req.request_id), None) is not None:
             self.reply(req.identity, final)
             self.metrics.ended(req, final)
+            log.info("request ended", request_id=req.internal_id or None, client_request_id=req.request_id,
+                     outcome=getattr(final, "finish_reason", None) or getattr(final, "code", None),
+                     output_tokens=len(req.token_ids))
 
     def fail(self, req: GatewayRequest, error: PdrtError) -> None:
         self.end(req, Error(error.code, str(error), req.request_id), abort=True)
 
     def _retry(self, req: GatewayRequest) -> None:
         self._detach(req, abort=True)
-        log.info("retrying a request", request_id=req.request_id, attempt=req.attempt + 1)
+        log.info("retrying a request", request_id=req.internal_id, client_request_id=req.request_id,
+                 attempt=req.attempt + 1)
         if not self._route(req):
             self.unrouted.append(req)
 
