@@ -207,7 +207,11 @@ class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
     """Where a prefill worker's KV pool can be read from, and its shape.
 
     `backend` is a `pdrt.transport.TransferBackend` value; `address` is the
-    shared-memory segment's path or the TCP endpoint that serves pulls.
+    shared-memory segment's path or the TCP endpoint that serves pulls. An
+    "auto" source gives both: the segment in `address`, the endpoint in
+    `tcp_address`, and `host_id` says which host's shared memory the segment
+    is in (pdrt.transport.auto.local_host_id), so a puller on that host maps
+    it and any other pulls over TCP.
     """
 
     backend: int
@@ -218,6 +222,8 @@ class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
     num_kv_heads: int
     head_dim: int
     dtype: str
+    host_id: str = ""
+    tcp_address: str = ""
 
 
 class Register(msgspec.Struct, **_struct("register")):

@@ -20,6 +20,7 @@ __all__ = ["KVPuller", "KVSource", "TransferBackend", "make_puller", "make_sourc
 _BACKENDS: dict[TransferBackend, tuple[str, str, str]] = {
     TransferBackend.SHM: ("pdrt.transport.shm", "ShmSource", "ShmPuller"),
     TransferBackend.TCP: ("pdrt.transport.tcp", "TcpSource", "TcpPuller"),
+    TransferBackend.AUTO: ("pdrt.transport.auto", "AutoSource", "AutoPuller"),
 }
 
 

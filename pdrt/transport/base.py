@@ -28,6 +28,7 @@ from pdrt.wire import KVSourceDescriptor
 class TransferBackend(enum.IntEnum):
     SHM = 1  # same host: the prefill pool lives in shared memory, decode maps it
     TCP = 2  # any host: blocks travel as zero-copy ZeroMQ frames
+    AUTO = 3  # both: a pool in shared memory, also served over TCP; each puller takes the one its host can use
 
 
 class KVSource(abc.ABC):

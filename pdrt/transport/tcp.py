@@ -78,7 +78,13 @@ class TcpSource(KVSource):
             raise TransferError(f"KV source {self.name!r} is already allocated or closed")
         shape = tuple(shape)
         check_pool_shape(shape)
-        pool = torch.zeros(shape, dtype=dtype)
+        return self.serve(torch.zeros(shape, dtype=dtype))
+
+    def serve(self, pool: torch.Tensor) -> torch.Tensor:
+        """Serve `pool`, storage allocated elsewhere (the auto backend's shared memory), instead of allocating."""
+        if self._pool is not None or self._stop.is_set():
+            raise TransferError(f"KV source {self.name!r} is already allocated or closed")
+        check_pool_shape(tuple(pool.shape))
         self._ctx = zmq.Context(io_threads=1)
         try:
             sock = make_socket(self._ctx, SocketSpec(zmq.ROUTER, f"tcp://{self.host}:*", bind=True))
