@@ -4,12 +4,15 @@ Read from TOML (`pdrt up --config node.toml`), then overridden by environment
 variables and then by command-line flags. Every table and key is optional:
 
     model = "/models/SmolLM2-135M-Instruct"   # default: the model `pdrt model fetch` installs
-    host = "127.0.0.1"                        # where every socket binds
+    host = "127.0.0.1"                        # where every socket of this node binds (an address peers reach)
+    node = ""                                 # this node's name, in its workers' names: "decode-b-0"
     mode = "disaggregated"                    # or "colocated"
-    transfer = "shm"                          # KV handoff backend: "shm" (same host) or "tcp"
+    transfer = "auto"                         # KV handoff: "auto" (shm where the decode worker shares the
+                                              # host, else tcp), "shm" (same host only) or "tcp"
 
     [gateway]
     port = 7100
+    enabled = true                            # false: no gateway on this node
     ttft_slo_s = 1.0                          # the SLOs that goodput (and ETOP) count against
     tpot_slo_s = 0.1
 
@@ -19,6 +22,8 @@ variables and then by command-line flags. Every table and key is optional:
 
     [controller]
     port = 7101
+    host = ""                                 # where the controller is reached (default: `host`)
+    enabled = true                            # false: the controller runs on another node
     metrics_port = 7103                       # Prometheus metrics of the whole node over HTTP; 0: off
 
     [engine]                                  # every worker's engine
@@ -30,9 +35,16 @@ variables and then by command-line flags. Every table and key is optional:
     threads = 1
 
 The supervisor hands the resolved config to its children as JSON.
+
+Several nodes make one cluster: one node runs the controller (and the
+gateway), the others set `[controller] host` to that node's address,
+`enabled = false` for the controller and the gateway, counts of 0 for the
+roles they do not run, and a `node` name that keeps their workers' names
+apart in the controller's registry. docs/deploy.md has a two-node example.
 """
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -42,8 +54,9 @@ from pdrt.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_PREFILL_CHUNK, En
 from pdrt.errors import ConfigError
 
 MODES = ("disaggregated", "colocated")
-TRANSFERS = ("shm", "tcp")
+TRANSFERS = ("shm", "tcp", "auto")
 WORKER_ROLES = ("prefill", "decode", "colocated")
+_NODE_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 
 class _Table(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -52,6 +65,7 @@ class _Table(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 class GatewayConfig(_Table):
     port: int = 7100
+    enabled: bool = True
     max_open_requests: int = 1024
     max_drafts: int = 1024
     request_timeout_s: float = 600.0
@@ -72,6 +86,8 @@ class WarmupConfig(_Table):
 
 class ControllerConfig(_Table):
     port: int = 7101
+    host: str = ""  # where the controller is reached; on the controller's own node it also binds there
+    enabled: bool = True
     heartbeat_s: float = 0.25
     lease_s: float = 2.0
     metrics_port: int = 7103  # HTTP: Prometheus text of every process, merged; 0 turns it off
@@ -103,8 +119,9 @@ class WorkerGroup(_Table):
 class NodeConfig(_Table):
     model: str = ""
     host: str = "127.0.0.1"
+    node: str = ""
     mode: str = "disaggregated"
-    transfer: str = "shm"
+    transfer: str = "auto"
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
@@ -126,6 +143,11 @@ class NodeConfig(_Table):
                 raise ConfigError(f"[{name}] port must be in 1..65535, got {port}")
         if self.controller.lease_s <= self.controller.heartbeat_s:
             raise ConfigError("[controller] lease_s must be longer than heartbeat_s")
+        if self.node and not _NODE_NAME.fullmatch(self.node):
+            raise ConfigError(f"node must be 1-32 letters, digits or '_', got {self.node!r}")
+        if not self.process_names():
+            raise ConfigError("this node runs no process: enable the controller or the gateway, or give a worker "
+                              "count")
         if not (0 <= self.controller.metrics_port < 65536):
             raise ConfigError(f"[controller] metrics_port must be in 0..65535, got {self.controller.metrics_port}")
 
@@ -137,7 +159,7 @@ class NodeConfig(_Table):
 
     @property
     def controller_address(self) -> str:
-        return f"tcp://{self.host}:{self.controller.port}"
+        return f"tcp://{self.controller.host or self.host}:{self.controller.port}"
 
     def ephemeral_address(self) -> str:
         """Where a process binds a socket whose port others learn from the controller."""
@@ -151,11 +173,16 @@ class NodeConfig(_Table):
         return {"prefill": self.prefill.count, "decode": self.decode.count}
 
     def process_names(self) -> list[str]:
-        """Every process of the node, in start order: controller, workers, gateway."""
-        names = ["controller"]
+        """Every process of the node, in start order: controller, workers, gateway (those enabled here).
+
+        Workers carry the node's name, when it has one, so that the workers
+        of several nodes register with one controller under distinct names.
+        """
+        names = ["controller"] if self.controller.enabled else []
+        infix = f"{self.node}-" if self.node else ""
         for role, count in self.worker_counts().items():
-            names += [f"{role}-{i}" for i in range(count)]
-        return names + ["gateway"]
+            names += [f"{role}-{infix}{i}" for i in range(count)]
+        return names + (["gateway"] if self.gateway.enabled else [])
 
     def threads_for(self, role: str) -> int:
         explicit = getattr(self, role).threads
@@ -196,6 +223,8 @@ ENVIRONMENT = {
     "PDRT_MODEL": ("model",),
     "PDRT_HOST": ("host",),
     "PDRT_MODE": ("mode",),
+    "PDRT_NODE": ("node",),
+    "PDRT_CONTROLLER_HOST": ("controller", "host"),
     "PDRT_TRANSFER": ("transfer",),
     "PDRT_PORT": ("gateway", "port"),
     "PDRT_CONTROLLER_PORT": ("controller", "port"),
@@ -204,6 +233,23 @@ ENVIRONMENT = {
     "PDRT_WARMUP_KEY": ("warmup", "key"),
     "PDRT_WARMUP_PORT": ("warmup", "port"),
 }
+
+
+# Secrets a process also takes from its own environment when it starts (systemd passes them with
+# EnvironmentFile=), so that they need not be written into the config JSON it reads.
+SECRET_ENVIRONMENT = ("PDRT_WARMUP_KEY", "PDRT_API_KEY")
+
+
+def with_secrets(config: NodeConfig, environ: dict[str, str] | None = None) -> NodeConfig:
+    """`config` with the SECRET_ENVIRONMENT values that `environ` sets (non-empty) in place of its own."""
+    environ = os.environ if environ is None else environ
+    found = {name: environ[name] for name in SECRET_ENVIRONMENT if name in ENVIRONMENT and environ.get(name)}
+    if not found:
+        return config
+    raw = msgspec.to_builtins(config)
+    for name, value in found.items():
+        _set(raw, ENVIRONMENT[name], value)
+    return _convert(raw, "the node config with secrets from the environment")
 
 
 def _set(raw: dict, path: tuple[str, ...], value: object) -> None:

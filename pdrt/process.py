@@ -3,7 +3,9 @@
 NAME is "controller", "gateway" or a worker such as "prefill-0", "decode-1",
 "colocated-0". The node config comes as JSON in the file named by
 `PDRT_NODE_CONFIG`; `PDRT_RUN_ID` names this run (shared-memory segments
-carry it, so the supervisor can clean up after a crashed worker). SIGTERM or
+carry it, so the supervisor can clean up after a crashed worker). Secrets
+set in the environment (`PDRT_WARMUP_KEY`, `PDRT_API_KEY`: a systemd unit's
+EnvironmentFile) take the place of the JSON's. SIGTERM or
 SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
 controller's registry.
@@ -21,7 +23,7 @@ import zmq.asyncio
 from pdrt.actors.loop import run
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
-from pdrt.node_config import NodeConfig
+from pdrt.node_config import NodeConfig, with_secrets
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = os.environ["PDRT_NODE_CONFIG"]
         with open(path, "rb") as f:
-            config = NodeConfig.from_json(f.read())
+            config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY
         _role(name)
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
     except KeyError:

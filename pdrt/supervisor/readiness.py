@@ -1,14 +1,26 @@
-"""Is the node ready? Asked of the gateway, the way a client would ask it.
+"""Is the node ready? Asked of the gateway, the way a client would ask it, or of the controller.
 
-The node is ready when the gateway answers `Hello` with `Ready` and then
-reports, in its `Status`, every expected worker alive: that proves the whole
-path a request takes (gateway up, workers registered with the controller, the
-controller's view published to the gateway), not only that processes exist.
+A node with a gateway is ready when the gateway answers `Hello` with `Ready`
+and then reports, in its `Status`, every expected worker alive: that proves
+the whole path a request takes (gateway up, workers registered with the
+controller, the controller's view published to the gateway), not only that
+processes exist.
+
+A node without a gateway (say, one that runs only decode workers for another
+node's controller) is ready when the controller lists every expected worker.
+The controller has no query message; what it does have is the `ClusterView`
+it sends every gateway right after the gateway registers. So the check
+registers for a moment as a gateway named after the run, takes that view,
+and says `Goodbye`. A gateway is no worker, so this probe never appears in
+the view that real gateways route by.
 
 Each check uses its own short-lived ZeroMQ context, so that no ZeroMQ I/O
 thread is alive while the supervisor forks a child (fork in a threaded process
 is where deadlocks come from).
 """
+
+import secrets
+import time
 
 import msgspec
 import zmq
@@ -52,3 +64,48 @@ def check_gateway(address: str, expected_workers: list[str], timeout_s: float = 
     finally:
         sock.close()
         ctx.term()
+
+
+def check_controller(address: str, expected_workers: list[str], probe_id: str,
+                     timeout_s: float = 0.5) -> str | None:
+    """None when the controller at `address` lists every expected worker; else what is missing."""
+    incarnation = secrets.token_hex(4)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"{probe_id}.{incarnation}".encode())
+    try:
+        sock.connect(address)
+        sock.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, probe_id, incarnation, "gateway", "")))
+        view = _cluster_view(sock, time.monotonic() + timeout_s)
+        if isinstance(view, str):
+            return view
+        registered = {worker.process_id for worker in view.workers}
+        missing = [name for name in expected_workers if name not in registered]
+        if missing:
+            return f"workers not registered with the controller at {address}: {', '.join(missing)}"
+        return None
+    finally:
+        # Leave the registry at once (else the probe lingers there until its lease runs out).
+        try:
+            sock.send(wire.encode(wire.Goodbye(probe_id, incarnation)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        sock.close(linger=100)
+        ctx.term()
+
+
+def _cluster_view(sock: zmq.Socket, deadline: float) -> wire.ClusterView | str:
+    """The first ClusterView the controller sends after the probe's registration, or what went wrong."""
+    while True:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            return "the controller did not answer"
+        try:
+            message = wire.internal_decoder.decode(sock.recv())
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "the controller sent an undecodable frame"
+        if isinstance(message, wire.Error):
+            return f"the controller refused the readiness probe: {message.code}: {message.message}"
+        if isinstance(message, wire.ClusterView):
+            return message

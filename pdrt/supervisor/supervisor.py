@@ -8,7 +8,8 @@ Life of a run:
    gateway), each told the config's path and the run id by environment;
 2. monitor: every ~50 ms reap exited children and restart them with backoff
    (their leftover shared memory removed first), and until the node is ready
-   ask the gateway whether every worker is alive;
+   ask the gateway whether every worker is alive (a node without a gateway
+   asks the controller whether its workers are registered: readiness.py);
 3. on SIGINT/SIGTERM/SIGHUP, on giving up, or on a readiness timeout: SIGTERM
    the gateway first (it drains open requests), then the workers, then the
    controller, each group waited for and SIGKILLed when late; a second signal
@@ -34,7 +35,7 @@ import structlog
 from pdrt.node_config import NodeConfig
 from pdrt.supervisor import leftovers
 from pdrt.supervisor.child import Child, RestartPolicy, describe_exit
-from pdrt.supervisor.readiness import check_gateway
+from pdrt.supervisor.readiness import check_controller, check_gateway
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +122,7 @@ class Supervisor:
     def _monitor(self) -> None:
         started = time.monotonic()
         next_probe = started
-        problem = "the gateway was never asked"
+        problem = "readiness was never checked"
         while not self._num_stop_requests:
             now = time.monotonic()
             for child in self.children:
@@ -134,7 +135,7 @@ class Supervisor:
                 return
             if not self.is_ready and self.ready_timeout_s is not None:
                 if now >= next_probe:
-                    problem = check_gateway(self.config.gateway_address, self.worker_names)
+                    problem = self._check_ready()
                     next_probe = time.monotonic() + PROBE_INTERVAL_S
                     if problem is None:
                         self._announce_ready()
@@ -163,11 +164,21 @@ class Supervisor:
             self._log.info("restarting process", process=child.name, delay_s=delay,
                            crashes=child.num_startup_crashes)
 
+    def _check_ready(self) -> str | None:
+        if self.config.gateway.enabled:
+            return check_gateway(self.config.gateway_address, self.worker_names)
+        return check_controller(self.config.controller_address, self.worker_names, f"probe-{self.run_id}")
+
     def _announce_ready(self) -> None:
         self.is_ready = True
         n = len(self.worker_names)
-        print(f"pdrt ready: {self.config.gateway_address} ({self.config.mode}, {n} workers)", flush=True)
-        self._log.info("node ready", gateway=self.config.gateway_address)
+        if self.config.gateway.enabled:
+            print(f"pdrt ready: {self.config.gateway_address} ({self.config.mode}, {n} workers)", flush=True)
+            self._log.info("node ready", gateway=self.config.gateway_address)
+        else:
+            print(f"pdrt ready: {n} workers registered with {self.config.controller_address} "
+                  f"({self.config.mode})", flush=True)
+            self._log.info("node ready", controller=self.config.controller_address)
 
     # -- shutdown ----------------------------------------------------------------
 

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address every socket binds to")
     parser.add_argument("--port", type=int, help="gateway port")
     parser.add_argument("--controller-port", type=int)
+    parser.add_argument("--controller-host", help="where the controller is reached, when another node runs it")
+    parser.add_argument("--node", help="this node's name, carried by its workers' names (several nodes)")
     parser.add_argument("--kv-cache-bytes", type=int, help="KV pool size of each worker")
     parser.add_argument("--prefill-chunk", type=int, help="largest prefill chunk, in tokens")
     parser.add_argument("--transfer", choices=TRANSFERS, help="KV handoff backend")
@@ -30,6 +32,8 @@ def config_overrides(args: argparse.Namespace) -> dict[tuple[str, ...], object]:
         ("host",): args.host,
         ("gateway", "port"): args.port,
         ("controller", "port"): args.controller_port,
+        ("controller", "host"): args.controller_host,
+        ("node",): args.node,
         ("engine", "kv_cache_bytes"): args.kv_cache_bytes,
         ("engine", "max_prefill_chunk_size"): args.prefill_chunk,
         ("transfer",): args.transfer,
