@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up)
     up.set_defaults(func=run_up)
 
+    from pdrt.deploy import systemd as deploy_systemd
+
+    units = sub.add_parser("systemd", help="write systemd units that run this node's processes (docs/deploy.md)")
+    deploy_systemd.add_arguments(units)
+    units.set_defaults(func=deploy_systemd.run_systemd)
+
     gen = sub.add_parser("generate", help="answer one prompt, streamed from a running server")
     gen.add_argument("prompt")
     _add_client_arguments(gen)
