@@ -72,6 +72,8 @@ class GatewayConfig(_Table):
     drain_timeout_s: float = 10.0
     ttft_slo_s: float = 1.0  # a request meets its SLOs with its first token within this many seconds
     tpot_slo_s: float = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
+    http_port: int = 7180  # the OpenAI-compatible HTTP front and the demo page; 0 turns it off
+    api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
 
 
 class WarmupConfig(_Table):
@@ -232,6 +234,8 @@ ENVIRONMENT = {
     "PDRT_PREFILL_CHUNK": ("engine", "max_prefill_chunk_size"),
     "PDRT_WARMUP_KEY": ("warmup", "key"),
     "PDRT_WARMUP_PORT": ("warmup", "port"),
+    "PDRT_HTTP_PORT": ("gateway", "http_port"),
+    "PDRT_API_KEY": ("gateway", "api_key"),
 }
 
 
@@ -271,7 +275,7 @@ def load_node_config(path: str | None = None, overrides: dict[tuple[str, ...], o
     for name, key in ENVIRONMENT.items():
         if name in environ:
             value: object = environ[name]
-            if key[-1] in ("port", "kv_cache_bytes", "max_prefill_chunk_size"):  # also the warmup port
+            if key[-1] in ("port", "http_port", "kv_cache_bytes", "max_prefill_chunk_size"):
                 try:
                     value = int(str(value))
                 except ValueError:
