@@ -77,3 +77,13 @@ def make_engine(loaded_models: dict[str, LoadedModel]):
         return LLMEngine(EngineConfig(**settings), loaded=loaded)
 
     return make
+
+
+@pytest.fixture
+def client(node):
+    """A raw native-protocol client of the module's `node` (a running `pdrt up`)."""
+    from tests.system_client import RawClient
+
+    c = RawClient(node.address)
+    yield c
+    c.close()

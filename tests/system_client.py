@@ -6,7 +6,18 @@ import msgspec
 import zmq
 
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.wire import PROTOCOL_VERSION, Error, Generate, Hello, Ready, Tokens, client_reply_decoder, encode
+from pdrt.wire import (
+    PROTOCOL_VERSION,
+    Error,
+    Generate,
+    GetStatus,
+    Hello,
+    Ready,
+    Status,
+    Tokens,
+    client_reply_decoder,
+    encode,
+)
 
 
 class RawClient:
@@ -51,3 +62,30 @@ class RawClient:
     def close(self) -> None:
         self.socket.close()
         self.ctx.term()
+
+
+def node_status(node) -> Status:
+    """The gateway's status, asked on a connection of its own (streams may be open on others)."""
+    client = RawClient(node.address)
+    try:
+        status = client.ask(GetStatus())
+    finally:
+        client.close()
+    assert isinstance(status, Status)
+    return status
+
+
+def used_blocks(node) -> dict[str, int]:
+    """KV blocks in use per live worker (loads arrive with heartbeats: a quarter second late)."""
+    return {w.process_id: w.load.num_used_blocks for w in node_status(node).workers}
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
+    """Poll `predicate` until it returns something true (returned), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")

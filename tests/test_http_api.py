@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -11,6 +10,7 @@ import pytest
 
 from pdrt.client import Client, SamplingParams
 from pdrt.testing.node import Node, free_port
+from tests.system_client import used_blocks, wait_for
 
 KEY = "test-api-key"
 MAX_OPEN = 4
@@ -40,18 +40,6 @@ def http(node, method: str, path: str, body: dict | None = None, key: str | None
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-def used_blocks(node) -> dict[str, int]:
-    with Client(node.address) as client:
-        return {w.process_id: w.load.num_used_blocks for w in client.status().workers}
-
-
-def wait_for(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 MESSAGES = [{"role": "user", "content": "Write a function that parses a list."}]

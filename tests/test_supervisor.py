@@ -90,6 +90,26 @@ def run_for(supervisor: Supervisor, seconds: float) -> int:
         timer.cancel()
 
 
+def run_until(supervisor: Supervisor, done, timeout_s: float = 20.0) -> int:
+    """Run until `done()` holds (checked every 50 ms) or `timeout_s` passes: a loaded machine starts
+    Python processes slowly, so a fixed run time would count too few restarts."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not stop.wait(0.05) and not done() and time.monotonic() < deadline:
+            pass
+        supervisor.request_stop()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        return supervisor.run()
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def is_alive(pid: int) -> bool:
     """Exists and is not a zombie (an orphan waiting for init to reap it counts as dead)."""
     try:
@@ -172,7 +192,7 @@ def test_crashed_process_restarts_with_growing_backoff_after_its_segments_are_re
     config = NodeConfig(model="unused", mode="colocated")
     supervisor = make_supervisor(config, events, {"colocated-0": "crash"}, policy=FAST)
 
-    assert run_for(supervisor, 2.0) == 0
+    assert run_until(supervisor, lambda: len(starts(events, "colocated-0")) >= 4) == 0
 
     crashes = starts(events, "colocated-0")
     assert len(crashes) >= 4
@@ -203,7 +223,7 @@ def test_process_that_stayed_up_long_enough_is_not_counted_as_a_startup_crash(ev
     policy = RestartPolicy(first_backoff_s=0.05, max_backoff_s=1.0, stable_after_s=0.3, max_startup_crashes=2)
     supervisor = make_supervisor(config, events, {"colocated-0": "live:0.4"}, policy=policy)
 
-    assert run_for(supervisor, 1.8) == 0
+    assert run_until(supervisor, lambda: len(starts(events, "colocated-0")) >= 3) == 0
 
     assert len(starts(events, "colocated-0")) >= 3
     assert supervisor.failure is None

@@ -17,12 +17,10 @@ from pdrt.wire import (
     Cancel,
     Error,
     Generate,
-    GetStatus,
     Hello,
-    Status,
     Tokens,
 )
-from tests.system_client import RawClient
+from tests.system_client import RawClient, used_blocks, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -33,37 +31,9 @@ def node(model_dirs, tmp_path_factory):
         yield running
 
 
-@pytest.fixture
-def client(node):
-    c = RawClient(node.address)
-    yield c
-    c.close()
-
-
 def mixed_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
     """`n` distinct prompts of the fixture's mixed lengths (1 to 1100 tokens)."""
     return [prompts[i % len(prompts)][i // len(prompts):] or [7 + i] for i in range(n)]
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
-
-
-def used_blocks(node: Node) -> dict[str, int]:
-    """KV blocks in use per live worker, asked on a connection of its own (streams may be open on others)."""
-    client = RawClient(node.address)
-    try:
-        status = client.ask(GetStatus())
-    finally:
-        client.close()
-    assert isinstance(status, Status)
-    return {w.process_id: w.load.num_used_blocks for w in status.workers}
 
 
 def test_32_concurrent_requests_of_mixed_lengths_equal_transformers_generate(node, client, prompts, references):

@@ -20,11 +20,11 @@ from pdrt.wire import (
     DraftSubmit,
     Error,
     Generate,
-    GetStatus,
     Tokens,
     Warmup,
 )
-from tests.system_client import RawClient
+from tests.system_client import RawClient, used_blocks, wait_for
+from tests.system_client import node_status as status
 
 KEY = "test-warmup-key"
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -39,34 +39,6 @@ def node(model_dirs, tmp_path_factory):
               extra={"warmup": {"key": KEY, "port": warmup_port, "ttl_s": 2.0}}) as running:
         running.warmup_port = warmup_port
         yield running
-
-
-@pytest.fixture
-def client(node):
-    c = RawClient(node.address)
-    yield c
-    c.close()
-
-
-def status(node):
-    c = RawClient(node.address)
-    try:
-        return c.ask(GetStatus())
-    finally:
-        c.close()
-
-
-def used_blocks(node) -> dict[str, int]:
-    return {w.process_id: w.load.num_used_blocks for w in status(node).workers}
-
-
-def wait_for(predicate, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def collect(client: RawClient, request_id: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""What every backend shares about moving blocks: layout checks, coalesced copies and the export table.
+"""What every backend shares: layout checks, coalesced copies, the export table and its source base.
 
 A pull names blocks one by one, but a prompt's blocks were mostly allocated
 together, so the ids come in runs. Copying run by run turns a 128-block pull
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdrt.errors import TransferError
+from pdrt.transport.base import KVSource
 from pdrt.wire import KVSourceDescriptor
 
 Run = tuple[int, int, int]  # (first source block, first destination block, number of blocks)
@@ -128,3 +129,29 @@ class ExportTable:
             raise TransferError(f"blocks {sorted(set(block_ids) - export.block_ids)} are not exported "
                                 f"for request {request_id!r}")
         return export
+
+
+class BookedSource(KVSource):
+    """What the shared-memory and TCP sources share: an export table, and a descriptor once allocated."""
+
+    kind = "KV"  # names the source in errors
+
+    def __init__(self) -> None:
+        self._exports = ExportTable()
+        self._descriptor: KVSourceDescriptor | None = None
+
+    @property
+    def descriptor(self) -> KVSourceDescriptor:
+        if self._descriptor is None:
+            raise TransferError(f"the {self.kind} source has no pool yet; call allocate first")
+        return self._descriptor
+
+    @property
+    def num_exports(self) -> int:
+        return len(self._exports)
+
+    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
+        self._exports.add(request_id, block_ids, lease_expires_at)
+
+    def withdraw(self, request_id: str) -> None:
+        self._exports.remove(request_id)

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from pdrt.errors import TransferError
-from pdrt.transport.base import KVPuller, KVSource, TransferBackend
+from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
-    ExportTable,
+    BookedSource,
     block_bytes,
     check_pool_shape,
     check_pull,
@@ -63,15 +63,16 @@ def remove_segments(prefix: str) -> int:
     return removed
 
 
-class ShmSource(KVSource):
+class ShmSource(BookedSource):
     """A prefill pool in the /dev/shm file `name`; `host` is not needed (readers are on this host)."""
 
+    kind = "shared-memory"
+
     def __init__(self, name: str, host: str = "") -> None:
+        super().__init__()
         self.path = segment_path(name)
-        self._exports = ExportTable()
         self._mmap: mmap.mmap | None = None
         self._pool: torch.Tensor | None = None
-        self._descriptor: KVSourceDescriptor | None = None
         self._closed = False
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -97,22 +98,6 @@ class ShmSource(KVSource):
         self._pool = torch.frombuffer(self._mmap, dtype=dtype).view(shape)
         self._descriptor = describe(TransferBackend.SHM, str(self.path), self._pool)
         return self._pool
-
-    @property
-    def descriptor(self) -> KVSourceDescriptor:
-        if self._descriptor is None:
-            raise TransferError("the shared-memory source has no pool yet; call allocate first")
-        return self._descriptor
-
-    @property
-    def num_exports(self) -> int:
-        return len(self._exports)
-
-    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
-        self._exports.add(request_id, block_ids, lease_expires_at)
-
-    def withdraw(self, request_id: str) -> None:
-        self._exports.remove(request_id)
 
     def close(self) -> None:
         """Unlink the file and drop this source's references to the mapping.

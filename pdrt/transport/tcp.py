@@ -31,9 +31,9 @@ import zmq
 
 from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
 from pdrt.errors import TransferError
-from pdrt.transport.base import KVPuller, KVSource, TransferBackend
+from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
-    ExportTable,
+    BookedSource,
     block_bytes,
     check_pool_shape,
     check_pull,
@@ -55,19 +55,20 @@ SERVE_POLL_MS = 100  # how often the server thread looks at its stop flag: close
 CLOSE_JOIN_S = 1.0
 
 
-class TcpSource(KVSource):
+class TcpSource(BookedSource):
     """A prefill pool in ordinary memory, served by a thread on a ROUTER bound at `tcp://{host}:*`.
 
     `host` must be an address decode workers can reach: the descriptor
     advertises the bound endpoint as is (so not 0.0.0.0).
     """
 
+    kind = "TCP"
+
     def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+        super().__init__()
         self.name = name
         self.host = host
-        self._exports = ExportTable()
         self._pool: torch.Tensor | None = None
-        self._descriptor: KVSourceDescriptor | None = None
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -99,22 +100,6 @@ class TcpSource(KVSource):
                                         daemon=True)
         self._thread.start()
         return pool
-
-    @property
-    def descriptor(self) -> KVSourceDescriptor:
-        if self._descriptor is None:
-            raise TransferError("the TCP source has no pool yet; call allocate first")
-        return self._descriptor
-
-    @property
-    def num_exports(self) -> int:
-        return len(self._exports)
-
-    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
-        self._exports.add(request_id, block_ids, lease_expires_at)
-
-    def withdraw(self, request_id: str) -> None:
-        self._exports.remove(request_id)
 
     def close(self) -> None:
         """Stop the server thread (within about SERVE_POLL_MS) and close its socket and context."""
