@@ -117,7 +117,9 @@ class RequestTable:
         else:
             message = PrefillRequest(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
                                      decode_address)
-        self.outbox.send(prefill.address, message)
+        if not self.outbox.send(prefill.address, message):  # the worker's queue is full: try again later
+            self._detach(req, abort=False)
+            return False
         self.metrics.sent(req)
         log.info("request routed", request_id=req.internal_id, client_request_id=req.request_id,
                  prompt_tokens=len(req.prompt_token_ids), prefill=prefill.process_id,
