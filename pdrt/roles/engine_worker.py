@@ -47,6 +47,7 @@ IDLE_WAIT_S = 0.5
 # A draft without an update for this long belongs to a typist who paused (to
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
+LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measuring it costs a pass over the queues
 
 
 class EngineWorker(Actor):
@@ -68,6 +69,7 @@ class EngineWorker(Actor):
         self.drafts: dict[str, float] = {}  # draft id -> time of its last update
         self.draft_ttl_s = config.engine.draft_ttl_s
         self._load = Load()
+        self._load_measured_at = 0.0
         self.metrics = WorkerMetrics(self.role, self.engine, self.load)
         self._ref: ActorRef | None = None
 
@@ -146,13 +148,16 @@ class EngineWorker(Actor):
 
     # -- the engine loop ----------------------------------------------------------
 
-    def _apply_ops(self) -> None:
+    def _apply_ops(self) -> bool:
+        """Apply the queued ops; True when there were any."""
+        applied = bool(self.ops)
         while self.ops:
             request_id, op = self.ops.popleft()
             try:
                 op()
             except PdrtError as exc:
                 self.fail(request_id, exc)
+        return applied
 
     async def _wait(self, timeout: float) -> None:
         try:
@@ -164,8 +169,8 @@ class EngineWorker(Actor):
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._apply_ops()
-            self._load = self._measure_load()  # what just arrived counts before the (maybe long) step
+            if self._apply_ops():
+                self._load = self._measure_load()  # what just arrived counts before the (maybe long) step
             if self.engine.has_unfinished():
                 started = time.perf_counter()
                 outputs = await loop.run_in_executor(self.executor, self.engine.step)
@@ -178,7 +183,9 @@ class EngineWorker(Actor):
                 await self._wait(DRAFT_PAUSE_S if self.drafts else IDLE_WAIT_S)
             self._expire_drafts()
             self.after_step()
-            self._load = self._measure_load()
+            now = time.monotonic()
+            if now - self._load_measured_at >= LOAD_REFRESH_S:  # heartbeats read it 4 times a second
+                self._load, self._load_measured_at = self._measure_load(), now
 
     def emit(self, outputs: list[RequestOutput]) -> None:
         """Send each gateway the outputs of its requests, one message per gateway."""
