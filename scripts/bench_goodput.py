@@ -1,0 +1,512 @@
+"""Goodput under SLOs: pdrt disaggregated against pdrt colocated and against `transformers serve`, in one run.
+
+On this machine's cores, with one model and the chat workload of `pdrt bench`:
+
+  (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each;
+  (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
+  (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
+      of the two is kept and named.
+
+All three are driven the same way: the OpenAI HTTP API (/v1/completions, streamed), text prompts,
+greedy, no ignore_eos (transformers serve has none), so all three get the same prompts and, as their
+greedy outputs are the same, do the same work; the mean output length of each is printed to show it.
+`--pdrt-protocol native` drives pdrt over its native protocol instead (token ids, exact lengths);
+then the pdrt-vs-transformers ratio compares unlike drivers, and the output says so.
+
+Method. A pilot on the colocated server (one request, then a light load) gives its light-load TTFT
+and TPOT; the SLOs are multiples of those (printed; --ttft-slo/--tpot-slo override them), so the
+colocated server crosses 90% attainment near its knee. Each system then climbs one ladder of rates
+(doubling from a start the pilot picks, then one rate in the bracket where attainment crosses 90%),
+open loop with Poisson arrivals, until its attainment
+falls below 90%; goodput is where its attainment curve crosses 90% (pdrt.bench.goodput).
+Servers run one at a time, started and stopped by this script; --repeats runs the whole round again
+and the medians are reported.
+
+Interference (pdrt only, native protocol: exact lengths): TPOT p99 of a chat stream while a stream
+of long prompts (the summarization workload, near the 2048-token context) arrives, over TPOT p99 of
+the same chat stream alone; for disaggregated and colocated. The two plans are merged by arrival
+time and the records split by index (pdrt.bench.run_rate with requests=...).
+
+The last line: `goodput disagg_vs_colocated=X disagg_vs_hf=Y interference_disagg=Z interference_colocated=W`.
+"""
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pdrt.bench import BenchOptions, RateResult, Slo, Target, goodput, make_driver, percentile, plan, run_rate
+from pdrt.bench.report import format_table
+from pdrt.bench.runner import BenchResult
+from pdrt.bench.workloads import LengthLimits
+from pdrt.models.fetch import default_model_dir, is_fetched
+from pdrt.testing.node import Node, free_port
+from pdrt.testing.tiny_model import build_tiny_model
+
+CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
+KV_CACHE_BYTES = 768 << 20  # per worker: room for every chat request in flight at the rates measured
+TARGET = 0.9
+MIN_REQUESTS = 10  # per rate: at low rates, rate x duration is too few requests to read an attainment off
+
+
+@dataclass(slots=True)
+class Settings:
+    duration_s: float
+    repeats: int
+    length_scale: float
+    max_steps: int
+    pilot_requests: int
+    interference_s: float
+
+
+QUICK = Settings(duration_s=10, repeats=1, length_scale=0.5, max_steps=7, pilot_requests=4, interference_s=15)
+FULL = Settings(duration_s=25, repeats=2, length_scale=1.0, max_steps=9, pilot_requests=8, interference_s=40)
+
+
+@dataclass(slots=True)
+class Ladder:
+    """One system's climb: the (rate, attainment) points, its runs, and the goodput read off them."""
+
+    name: str
+    runs: list[RateResult] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        return goodput([(r.summary.rate, r.summary.attainment) for r in self.runs], TARGET).rate
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- servers -----------------------------------------------------------------------------------------------
+
+class PdrtServer:
+    def __init__(self, workdir: Path, model: str, mode: str) -> None:
+        self.http_port = free_port()
+        workers = {"colocated": {"threads": os.cpu_count() or 2}} if mode == "colocated" else \
+            {"prefill": {"threads": 1}, "decode": {"threads": 1}}
+        self.node = Node(workdir, model, mode=mode, transfer="shm", engine={"kv_cache_bytes": KV_CACHE_BYTES},
+                         extra={"gateway": {"http_port": self.http_port}, **workers})
+
+    def start(self) -> "PdrtServer":
+        self.node.start()
+        return self
+
+    def target(self, protocol: str) -> Target:
+        if protocol == "native":
+            return Target(self.node.address)
+        return Target(f"http://127.0.0.1:{self.http_port}/v1")
+
+    def stop(self) -> None:
+        self.node.stop()
+
+
+class HfServer:
+    """`transformers serve` on a free port, with the checkpoint preloaded, float32 like pdrt on CPU."""
+
+    def __init__(self, workdir: Path, model: str, continuous_batching: bool) -> None:
+        self.port = free_port()
+        self.model = model
+        self.continuous_batching = continuous_batching
+        self.log_path = workdir / f"hf-serve-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 180.0) -> "HfServer":
+        exe = Path(sys.executable).with_name("transformers")
+        cb = "--continuous-batching" if self.continuous_batching else "--no-continuous-batching"
+        with open(self.log_path, "w") as out:
+            self.process = subprocess.Popen([str(exe), "serve", cb, "--host", "127.0.0.1", "--port", str(self.port),
+                                             "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
+                                             self.model], stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"transformers serve exited; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"transformers serve did not answer in {timeout_s:.0f} s; log: {self.log_path}")
+
+    def target(self, protocol: str) -> Target:
+        return Target(f"http://127.0.0.1:{self.port}/v1", model=self.model)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: uvicorn and any child it started
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+# -- measuring ---------------------------------------------------------------------------------------------
+
+def options_for(settings: Settings, slo: Slo, seed: int, workload: str = "chat", **overrides) -> BenchOptions:
+    fields = dict(workload=workload, duration_s=settings.duration_s, seed=seed, slo=slo,
+                  length_scale=settings.length_scale, max_model_len=CONTEXT)
+    return BenchOptions(**{**fields, **overrides})
+
+
+async def _open(target: Target):
+    driver = make_driver(target)
+    info = await driver.open()
+    return driver, info
+
+
+async def warm_up(target: Target, settings: Settings) -> None:
+    """A few requests first: the first forward passes of a fresh process are slow (allocation, kernels)."""
+    driver, info = await _open(target)
+    try:
+        options = options_for(settings, Slo(60, 60), seed=999, num_requests=3)
+        await run_rate(driver, info, options, 2.0, "warmup")
+    finally:
+        await driver.close()
+
+
+async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_rate: float, seed: int,
+                salt: str) -> Ladder:
+    """Rates doubling from start_rate until attainment misses the target, then one rate between the last
+    that met it and the first that missed (their geometric mean), so goodput is interpolated over a √2
+    bracket. A system that misses at the first rate halves it instead, until it meets the target."""
+    driver, info = await _open(target)
+    ladder = Ladder(name)
+
+    async def measure(rate: float) -> float:
+        if ladder.runs:
+            await asyncio.sleep(1.0)
+        num = max(MIN_REQUESTS, round(rate * settings.duration_s))
+        run = await run_rate(driver, info, options_for(settings, slo, seed, num_requests=num), rate,
+                             f"{salt}:{rate:.4g}")
+        ladder.runs.append(run)
+        s = run.summary
+        log(f"{name}: {rate:.3g} req/s: attainment {s.attainment:.0%} (TTFT {s.ttft_attainment:.0%}, TPOT "
+            f"{s.tpot_attainment:.0%}), TTFT p90 {ms(s.ttft.p90)}, TPOT p90 {ms(s.tpot.p90)}, "
+            f"{s.output_throughput:.0f} tok/s, {s.num_failed} failed")
+        return s.attainment
+
+    try:
+        rate, passed, missed = start_rate, None, None
+        for _ in range(settings.max_steps):
+            if await measure(rate) >= TARGET:
+                passed, rate = rate, rate * 2
+            else:
+                missed = rate
+                break
+        while passed is None and missed is not None and missed > start_rate / 4:
+            rate = missed / 2
+            if await measure(rate) >= TARGET:
+                passed = rate
+            else:
+                missed = rate
+        if passed is not None and missed is not None:
+            await measure((passed * missed) ** 0.5)
+    finally:
+        await driver.close()
+    return ladder
+
+
+async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
+    """On the colocated server: SLOs from its light-load latencies, the ladder's start, the long-prompt rate."""
+    driver, info = await _open(target)
+    try:
+        loose = Slo(600, 600)
+        single = await run_rate(driver, info, options_for(settings, loose, 7, num_requests=1), 1.0, "pilot-1")
+        e2e = single.summary.e2e.p50 or 1.0
+        light_rate = 0.5 / e2e
+        light = await run_rate(driver, info, options_for(settings, loose, 8, num_requests=settings.pilot_requests),
+                               light_rate, "pilot-light")
+        long = await run_rate(driver, info, options_for(settings, loose, 9, "summarization", num_requests=1), 1.0,
+                              "pilot-long")
+    finally:
+        await driver.close()
+    ttft, tpot = light.summary.ttft.p90, light.summary.tpot.p90
+    # The colocated server's knee: TTFT within a few prefill times and TPOT within 2.5x its unloaded step,
+    # which its prefill chunks break first as load rises (DistServe sets its SLOs the same way, as
+    # multiples of light-load latency).
+    slo = Slo(round(4 * ttft, 3), round(2.5 * tpot, 4))
+    log(f"pilot: one chat request e2e {ms(e2e)}; light load ({light_rate:.2g} req/s) TTFT p90 {ms(ttft)}, "
+        f"TPOT p90 {ms(tpot)}; one long prompt TTFT {ms(long.summary.ttft.p50)}")
+    return slo, light_rate, long.summary.ttft.p50 or 1.0
+
+
+async def interference(target: Target, settings: Settings, chat_rate: float, long_rate: float,
+                       seed: int) -> dict:
+    """TPOT p99 of the chat stream with the long prompts mixed in, and alone."""
+    driver, info = await _open(target)
+    loose = Slo(600, 600)
+    try:
+        chat_options = options_for(settings, loose, seed, duration_s=settings.interference_s)
+        long_options = options_for(settings, loose, seed + 1, "summarization", duration_s=settings.interference_s)
+        limits: LengthLimits = chat_options.limits(info)
+        chat = plan(chat_options, chat_rate, limits)
+        long = plan(long_options, long_rate, limits)
+        merged = sorted([(t, s, True) for t, s in chat] + [(t, s, False) for t, s in long], key=lambda x: x[0])
+        alone = await run_rate(driver, info, chat_options, chat_rate, f"alone:{seed}")
+        await asyncio.sleep(1.0)
+        mixed = await run_rate(driver, info, chat_options, chat_rate, f"mixed:{seed}",
+                               requests=[(t, s) for t, s, _ in merged])
+    finally:
+        await driver.close()
+    is_chat = [c for _, _, c in merged]
+    mixed_chat = [r for r in mixed.records if is_chat[r.index]]
+    mixed_long = [r for r in mixed.records if not is_chat[r.index]]
+
+    def p99(records) -> float | None:
+        return percentile([r.tpot_s for r in records if r.tpot_s is not None], 99)
+
+    alone_p99, mixed_p99 = p99(alone.records), p99(mixed_chat)
+    return {"tpot_p99_alone": alone_p99, "tpot_p99_mixed": mixed_p99,
+            "ratio": mixed_p99 / alone_p99 if alone_p99 and mixed_p99 else float("nan"),
+            "long_ttft_p50": percentile([r.ttft_s for r in mixed_long if r.ttft_s is not None], 50),
+            "num_long": len(mixed_long), "num_chat": len(mixed_chat),
+            "failed": sum(not r.ok for r in mixed.records) + sum(not r.ok for r in alone.records)}
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms" if value >= 0.1 else f"{value * 1000:.1f} ms"
+
+
+def mean_output(ladder: Ladder) -> float:
+    counts = [r.num_output_tokens for run in ladder.runs for r in run.records if r.ok]
+    return statistics.mean(counts) if counts else 0.0
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+
+def resolve_model(arg: str | None, workdir: Path) -> tuple[str, str]:
+    if arg and arg != "tiny":
+        return arg, Path(arg).name
+    if arg is None and is_fetched():
+        return str(default_model_dir()), default_model_dir().name
+    return str(build_tiny_model(workdir / "tiny-llama")), "tiny-llama (random weights)"
+
+
+def run_system(factory, protocol: str, settings: Settings, slo: Slo, start_rate: float, seed: int,
+               salt: str, name: str) -> Ladder:
+    server = factory().start()
+    try:
+        target = server.target(protocol)
+        asyncio.run(warm_up(target, settings))
+        return asyncio.run(climb(name, target, settings, slo, start_rate, seed, salt))
+    finally:
+        server.stop()
+
+
+def write_ladder(ladder: Ladder, target: Target, settings: Settings, slo: Slo, prefix: Path) -> None:
+    """JSON and the `pdrt bench` plots of one system's ladder."""
+    from pdrt.bench.driver import ServerInfo
+    from pdrt.bench.goodput import goodput as goodput_of
+    from pdrt.bench.report import write_json
+
+    points = [(r.summary.rate, r.summary.attainment) for r in ladder.runs]
+    result = BenchResult(target, ServerInfo(ladder.name, CONTEXT), options_for(settings, slo, 0), ladder.runs,
+                         goodput_of(points, TARGET))
+    write_json(result, prefix.with_suffix(".json"))
+    try:
+        from pdrt.bench.plots import write_plots
+
+        write_plots(result, prefix)
+    except Exception as exc:  # plots are a convenience; the figures are printed anyway
+        log(f"no plots for {ladder.name}: {exc}")
+    print(f"\n== {ladder.name}\n{format_table(result)}")
+
+
+def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: str, path: Path) -> None:
+    """Attainment (rate, share) of every system on one plot (the first round of each), goodput marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green"), strict=False):
+        points = sorted(points)
+        ax.plot([p[0] for p in points], [p[1] * 100 for p in points], "o-", color=color, label=name)
+        rate = goodput(points, TARGET).rate
+        if rate > 0:
+            ax.axvline(rate, color=color, linestyle=":", linewidth=1)
+    ax.axhline(TARGET * 100, color="gray", linestyle="--", linewidth=1, label=f"{TARGET:.0%} target")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(0, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{title}: chat, TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint directory, or 'tiny' for a tiny random model built here "
+                                        "(default: SmolLM2 if fetched, else tiny)")
+    parser.add_argument("--quick", action="store_true", help="few rates, short runs, half-length requests")
+    parser.add_argument("--repeats", type=int, help="rounds of every ladder and interference run (medians)")
+    parser.add_argument("--duration", type=float, help="seconds of arrivals per rate")
+    parser.add_argument("--ttft-slo", type=float, help="seconds (default: from the pilot)")
+    parser.add_argument("--tpot-slo", type=float, help="seconds (default: from the pilot)")
+    parser.add_argument("--start-rate", type=float, help="the ladder's first rate (default: from the pilot)")
+    parser.add_argument("--long-ttft", type=float, help="seconds of one long prompt's TTFT (default: from the "
+                                                        "pilot); with both SLOs and --start-rate, no pilot runs")
+    parser.add_argument("--hf", choices=["both", "cb", "no-cb"], default="both",
+                        help="transformers serve with continuous batching, without, or both (the better is kept)")
+    parser.add_argument("--pdrt-protocol", choices=["http", "native"], default="http")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default="bench-results/goodput", help="folder for JSON and PNG files")
+    args = parser.parse_args()
+
+    settings = replace(QUICK if args.quick else FULL)
+    if args.repeats:
+        settings.repeats = args.repeats
+    if args.duration:
+        settings.duration_s = args.duration
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    model, model_name = resolve_model(args.model, workdir)
+    started = datetime.datetime.now(datetime.UTC)
+    print(f"bench_goodput {started:%Y-%m-%d %H:%M} UTC; model {model_name}; {os.cpu_count()} CPU cores; "
+          f"{'quick' if args.quick else 'full'}: {settings}", flush=True)
+
+    def colocated() -> PdrtServer:
+        return PdrtServer(workdir, model, "colocated")
+
+    def disaggregated() -> PdrtServer:
+        return PdrtServer(workdir, model, "disaggregated")
+
+    # Pilot: SLOs and rates from the colocated server (skipped when they are all given).
+    if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
+        slo, light_rate, long_ttft = Slo(args.ttft_slo, args.tpot_slo), args.start_rate, args.long_ttft
+    else:
+        server = colocated().start()
+        try:
+            target = server.target(args.pdrt_protocol)
+            asyncio.run(warm_up(target, settings))
+            slo, light_rate, long_ttft = asyncio.run(pilot(target, settings))
+        finally:
+            server.stop()
+    slo = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
+    start_rate = args.start_rate or round(light_rate, 3)
+    print(f"SLOs: TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms (chat workload, "
+          f"length scale {settings.length_scale}); ladder from {start_rate:g} req/s, doubling; "
+          f"attainment target {TARGET:.0%}", flush=True)
+
+    hf_modes = {"both": [True, False], "cb": [True], "no-cb": [False]}[args.hf]
+    goodputs: dict[str, list[float]] = {"disaggregated": [], "colocated": [], "hf": []}
+    ladders: dict[str, Ladder] = {}
+    hf_choice: bool | None = None
+    hf_all: dict[str, float] = {}
+    for repeat in range(settings.repeats):
+        seed = 100 + repeat
+        for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
+            ladder = run_system(factory, args.pdrt_protocol, settings, slo, start_rate, seed, f"{name}:{repeat}",
+                                f"pdrt {name}")
+            goodputs[name].append(ladder.goodput)
+            ladders.setdefault(name, ladder)
+        if args.skip_hf:
+            continue
+        modes = hf_modes if hf_choice is None else [hf_choice]
+        best: tuple[float, bool, Ladder] | None = None
+        for cb in modes:
+            label = f"transformers serve {'--continuous-batching' if cb else '(no continuous batching)'}"
+            ladder = run_system(lambda cb=cb: HfServer(workdir, model, cb), "http", settings, slo, start_rate,
+                                seed, f"hf:{cb}:{repeat}", label)
+            hf_all[f"{label} [round {repeat + 1}]"] = ladder.goodput
+            if best is None or ladder.goodput > best[0]:
+                best = (ladder.goodput, cb, ladder)
+        assert best is not None
+        hf_choice = best[1] if hf_choice is None else hf_choice
+        goodputs["hf"].append(best[0])
+        ladders.setdefault("hf", best[2])
+
+    # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in.
+    median_colocated = statistics.median(goodputs["colocated"])
+    chat_rate = round(max(start_rate, 0.6 * median_colocated), 3)
+    # Long prompts that keep a core about a third busy with prefill, and never more than half the chat rate.
+    long_rate = round(min(0.35 / long_ttft, chat_rate / 2), 3)
+    print(f"interference: chat at {chat_rate:g} req/s, long prompts (summarization) at {long_rate:g} req/s, "
+          f"{settings.interference_s:g} s each; native protocol, token ids, ignore_eos", flush=True)
+    interference_runs: dict[str, list[dict]] = {"disaggregated": [], "colocated": []}
+    for repeat in range(settings.repeats):
+        for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
+            server = factory().start()
+            try:
+                target = server.target("native")
+                asyncio.run(warm_up(target, settings))
+                result = asyncio.run(interference(target, settings, chat_rate, long_rate, 300 + repeat))
+            finally:
+                server.stop()
+            log(f"interference {name}: {result}")
+            interference_runs[name].append(result)
+
+    # Report.
+    for name, ladder in ladders.items():
+        server_target = Target("http://127.0.0.1/v1") if args.pdrt_protocol == "http" or name == "hf" else \
+            Target("tcp://127.0.0.1:1")
+        write_ladder(ladder, server_target, settings, slo, out / f"{model_name.split()[0]}-{name}")
+    curves = {ladder.name: [(r.summary.rate, r.summary.attainment) for r in ladder.runs] for ladder in ladders.values()}
+    plot_systems(curves, slo, model_name.split()[0], out / f"{model_name.split()[0]}-goodput.png")
+    print(f"\n== goodput (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, TPOT "
+          f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
+    hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
+    rows = [("pdrt disaggregated (1P+1D, 1 thread each)", "disaggregated"),
+            (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
+    for label, key in rows:
+        if goodputs[key]:
+            values = ", ".join(f"{v:.3g}" for v in goodputs[key])
+            extra = f"; mean output {mean_output(ladders[key]):.0f} tokens" if key in ladders else ""
+            print(f"  {label:48s} {statistics.median(goodputs[key]):7.3g}   (rounds: {values}{extra})")
+    for label, value in hf_all.items():
+        print(f"    {label}: {value:.3g}")
+    driver_note = "every system over HTTP /v1/completions, text prompts, no ignore_eos" \
+        if args.pdrt_protocol == "http" else \
+        "pdrt over its native protocol (token ids, ignore_eos) against transformers serve over HTTP (text): " \
+        "unlike drivers"
+    print(f"  drivers: {driver_note}")
+    print("\n== interference (chat TPOT p99 with long prompts / alone), median")
+    for name, runs in interference_runs.items():
+        cells = "; ".join(f"{ms(r['tpot_p99_mixed'])}/{ms(r['tpot_p99_alone'])}={r['ratio']:.2f}, long TTFT p50 "
+                          f"{ms(r['long_ttft_p50'])}" for r in runs)
+        print(f"  pdrt {name:14s} {statistics.median(r['ratio'] for r in runs):.2f}   ({cells})")
+    with open(out / f"{model_name.split()[0]}-summary.json", "w") as f:
+        json.dump({"date": started.isoformat(), "model": model_name, "settings": str(settings),
+                   "slo": [slo.ttft_s, slo.tpot_s], "start_rate": start_rate, "goodput": goodputs,
+                   "hf_all": hf_all, "hf_continuous_batching": hf_choice, "interference": interference_runs,
+                   "chat_rate": chat_rate, "long_rate": long_rate}, f, indent=1)
+
+    def ratio(a: list[float], b: list[float]) -> float:
+        if not a or not b:
+            return float("nan")
+        # A peer that meets the SLOs at no rate measured has goodput 0 (below the lowest rate): the ratio is inf.
+        return statistics.median(a) / statistics.median(b) if statistics.median(b) > 0 else float("inf")
+
+    print(f"goodput disagg_vs_colocated={ratio(goodputs['disaggregated'], goodputs['colocated']):.2f} "
+          f"disagg_vs_hf={ratio(goodputs['disaggregated'], goodputs['hf']):.2f} "
+          f"interference_disagg={statistics.median(r['ratio'] for r in interference_runs['disaggregated']):.2f} "
+          f"interference_colocated={statistics.median(r['ratio'] for r in interference_runs['colocated']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
