@@ -23,10 +23,11 @@ def read_typed_line(prompt: str, on_change: Callable[[str], None]) -> str | None
     saved = termios.tcgetattr(fd)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     line = ""
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
     try:
         tty.setcbreak(fd, termios.TCSANOW)  # keep keys typed ahead of the prompt (TCSAFLUSH would drop them)
+        # The prompt only once keys arrive one by one: a Ctrl-D typed on seeing it must not meet canonical mode.
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
         while True:
             data = os.read(fd, 64)
             if not data:
