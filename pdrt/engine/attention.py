@@ -3,11 +3,13 @@
 transformers computes q/k/v and rotary embeddings; this function writes the
 step's new keys and values into the pool and attends over each sequence's
 blocks. A step packs every scheduled token into one row `[1, T]`: first the
-decode tokens (one query each), then the prefill chunks. All decodes are
-served by one batched SDPA call over their gathered blocks with a length mask,
-so no Python loop runs per decode sequence; prefill chunks, few and large, get
-one SDPA call each. Step-wide metadata (slots, gather indices, masks) is built
-once per step by the model runner and reused by every layer.
+decode tokens (one query each), then the prefill chunks. On the CPU in
+float32, all decodes are served by one call of a compiled kernel that reads
+their blocks in place (pdrt/engine/cpu_attention.py); elsewhere, by one
+batched SDPA call over their gathered blocks with a length mask. Either way no
+Python loop runs per decode sequence. Prefill chunks, few and large, get one
+SDPA call each. Step-wide metadata (slots, tables, gather indices, masks) is
+built once per step by the model runner and reused by every layer.
 """
 
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from pdrt.engine.cpu_attention import PagedDecodeKernel
 from pdrt.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "pdrt_paged"
@@ -79,12 +82,22 @@ class DecodeGather:
 
 
 @dataclass(slots=True)
+class DecodeTables:
+    """The decode group for the compiled kernel, which reads every sequence's blocks where they lie."""
+
+    kernel: PagedDecodeKernel
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
+    lengths: torch.Tensor  # [num_decodes] int64: tokens to attend over, the new one included
+    max_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     pool: KVPool
     workspace: GatherWorkspace
     slot_mapping: torch.Tensor  # [T] pool slot of each packed token
     num_decodes: int
-    decode: DecodeGather | None
+    decode: DecodeGather | DecodeTables | None
     prefills: list[PrefillSpan]
 
 
@@ -98,10 +111,16 @@ def _gather(meta: AttentionMetadata, layer: int, block_ids: torch.Tensor) -> tup
 
 
 def _decode_attention(meta: AttentionMetadata, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    gather = meta.decode
+    """`[num_decodes, heads, head_dim]` for the decode rows, which lead the packed step."""
+    gather, b = meta.decode, meta.num_decodes
+    if isinstance(gather, DecodeTables):
+        layout = meta.pool.layout
+        q = query[0, :, :b].transpose(0, 1).contiguous()
+        return gather.kernel(q, meta.pool.k_blocks[layer], meta.pool.v_blocks[layer], gather.block_tables,
+                             gather.lengths, gather.max_len, layout.block_size, layout.num_kv_heads, scaling)
     torch.index_select(meta.pool.k_blocks[layer], 0, gather.block_ids, out=gather.k_rows)
     torch.index_select(meta.pool.v_blocks[layer], 0, gather.block_ids, out=gather.v_rows)
-    b, kvh = meta.num_decodes, meta.pool.layout.num_kv_heads
+    kvh = meta.pool.layout.num_kv_heads
     num_heads, d = query.shape[1], query.shape[3]
     # The query heads that share a KV head become that head's query rows, so
     # grouped-query attention needs no copy of K or V.

@@ -4,7 +4,8 @@ from array import array
 
 import torch
 
-from pdrt.engine.attention import AttentionMetadata, DecodeGather, GatherWorkspace, PrefillSpan
+from pdrt.engine import cpu_attention
+from pdrt.engine.attention import AttentionMetadata, DecodeGather, DecodeTables, GatherWorkspace, PrefillSpan
 from pdrt.engine.kv_pool import KVPool
 from pdrt.engine.scheduler import ScheduledBatch
 
@@ -30,6 +31,8 @@ class ModelRunner:
         self.block_size = layout.block_size
         self.workspace = GatherWorkspace(layout.block_size * layout.num_kv_heads * layout.head_dim,
                                          layout.dtype, self.device)
+        self.decode_kernel = cpu_attention.load() if cpu_attention.supports(self.device, self.dtype,
+                                                                            layout.head_dim) else None
         # Sliced for length masks. A decode's padded length may round up past
         # max_model_len to a whole block.
         self.columns = torch.arange(max_model_len + self.block_size, device=self.device)
@@ -77,10 +80,14 @@ class ModelRunner:
         ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
             [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
         # Size the gather workspace for the step's largest gather once, before any view into it is taken.
-        # (A chunk with no context attends over its own fresh K/V and gathers nothing.)
-        self.workspace.buffers(max([num_decodes * max_blocks] + [nb for _, _, ctx, _, nb in span_info if ctx]))
+        # (A chunk with no context attends over its own fresh K/V and gathers nothing; nor does the kernel.)
+        decode_gather = 0 if self.decode_kernel else num_decodes * max_blocks
+        self.workspace.buffers(max([decode_gather] + [nb for _, _, ctx, _, nb in span_info if ctx]))
         decode = None
-        if num_decodes:
+        if num_decodes and self.decode_kernel:
+            decode = DecodeTables(self.decode_kernel, tables_t[: num_decodes * max_blocks].view(num_decodes, -1),
+                                  lengths_t, max(lengths))
+        elif num_decodes:
             mask = None
             if any(n != max_blocks * bs for n in lengths):
                 # An additive float mask: SDPA's CPU kernel would convert a boolean one in every layer.
