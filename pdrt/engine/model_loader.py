@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from pdrt.engine.attention import ATTENTION_NAME
+from pdrt.engine.cpu_linear import pack_linears
 from pdrt.errors import ModelLoadError, UnsupportedModelError
 
 # Architectures whose attention modules call the AttentionInterface with
@@ -80,6 +81,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(torch_device).eval()
+    pack_linears(model)  # float32 on the CPU: oneDNN on weights packed once (pdrt/engine/cpu_linear.py)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except (OSError, ValueError):
