@@ -34,6 +34,10 @@ variables and then by command-line flags. Every table and key is optional:
     count = 1
     threads = 1
 
+    [decode]
+    borrow_threads = true                     # on the CPU, each decode step also runs on the threads
+                                              # of this run's prefill workers that are idle then
+
 The supervisor hands the resolved config to its children as JSON.
 
 Several nodes make one cluster: one node runs the controller (and the
@@ -118,6 +122,10 @@ class WorkerGroup(_Table):
     threads: int | None = None  # default: the cores split evenly across workers
 
 
+class DecodeGroup(WorkerGroup):
+    borrow_threads: bool = True  # pdrt/roles/thread_ledger.py
+
+
 class NodeConfig(_Table):
     model: str = ""
     host: str = "127.0.0.1"
@@ -129,7 +137,7 @@ class NodeConfig(_Table):
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefill: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
-    decode: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
+    decode: DecodeGroup = msgspec.field(default_factory=DecodeGroup)
     colocated: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
 
     def __post_init__(self) -> None:

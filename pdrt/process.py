@@ -62,7 +62,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
         elif role == "decode":
             from pdrt.roles.decode_worker import DecodeWorker
 
-            await DecodeWorker(config, name, incarnation, ctx).serve(stop)
+            await DecodeWorker(config, name, incarnation, ctx, run_id).serve(stop)
         else:
             from pdrt.roles.colocated_worker import ColocatedWorker
 

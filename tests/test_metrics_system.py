@@ -88,6 +88,12 @@ def test_counters_move_as_requests_complete(served, prompts):
     assert total(after, "pdrt_worker_kv_blocks", role="decode") > 0
 
 
+def test_the_decode_worker_borrows_the_idle_prefill_workers_thread(served):
+    before, after = served  # the eight prompts are prefilled in the first steps; decode goes on alone
+    name = "pdrt_worker_borrowing_steps_total"
+    assert total(after, name, process="decode-0") > total(before, name, process="decode-0")
+
+
 def test_the_merged_exposition_is_valid_labelled_and_holds_the_indices_in_range(node, served):
     text, families = scrape(node)
     headers = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]

@@ -125,7 +125,11 @@ def secrets_in(config: NodeConfig) -> list[str]:
 
 
 def cpu_sets(config: NodeConfig, opts: UnitOptions) -> dict[str, str]:
-    """Worker -> "first-last" (or "cpu"): consecutive CPUs in start order, as many as its torch threads."""
+    """Worker -> "first-last" (or "cpu"): consecutive CPUs in start order, as many as its torch threads.
+
+    A decode worker that borrows the threads of idle prefill workers (`[decode] borrow_threads`, CPU
+    engines) may also run on their CPUs: its set lists theirs after its own.
+    """
     sets, first = {}, 0
     for name in worker_names(config):
         n = config.threads_for(_role(name))
@@ -134,6 +138,10 @@ def cpu_sets(config: NodeConfig, opts: UnitOptions) -> dict[str, str]:
                               "(lower [prefill]/[decode] threads or drop --pin-cpus)")
         sets[name] = f"{first}-{first + n - 1}" if n > 1 else str(first)
         first += n
+    if config.decode.borrow_threads and config.engine.device == "cpu":
+        lent = [cpus for name, cpus in sets.items() if _role(name) == "prefill"]
+        for name in [name for name in sets if _role(name) == "decode"]:
+            sets[name] = " ".join([sets[name], *lent])
     return sets
 
 

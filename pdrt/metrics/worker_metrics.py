@@ -68,12 +68,14 @@ class WorkerMetrics:
                                               buckets=TRANSFER_BUCKETS, registry=r)
             self.transfer_bytes = Histogram("pdrt_kv_transfer_bytes", "Bytes pulled for one request (prefix-cache "
                                             "hits excluded)", buckets=BYTE_BUCKETS, registry=r)
+            self.borrowing_steps = Counter("pdrt_worker_borrowing_steps", "Steps run with threads borrowed from "
+                                           "idle prefill workers on this host", registry=r)
         r.register(_EngineCollector(self, load))
 
     # -- hooks ----------------------------------------------------------------------
 
-    def stepped(self, started: float) -> None:
-        """After an engine step that began at `started` (time.perf_counter())."""
+    def stepped(self, started: float, borrowed_threads: int = 0) -> None:
+        """After an engine step that began at `started` (time.perf_counter()) with `borrowed_threads` lent."""
         batch = self.engine.last_batch
         if batch.is_empty:
             return
@@ -81,6 +83,8 @@ class WorkerMetrics:
         self.step_seconds.observe(now - started)
         if batch.decodes:
             self.decode_steps.append(now - started)
+        if borrowed_threads > 0:
+            self.borrowing_steps.inc()
         self.step_tokens.observe(len(batch.decodes) + sum(n for _, n in batch.prefills))
         if self.role in PREFILLING_ROLES:
             self._prefills(batch, started, now)

@@ -43,8 +43,9 @@ MAX_REMEMBERED_ABORTS = 10_000
 class DecodeWorker(EngineWorker):
     role = "decode"
 
-    def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context) -> None:
-        super().__init__(config, process_id, incarnation, ctx)
+    def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
+                 run_id: str = "local") -> None:
+        super().__init__(config, process_id, incarnation, ctx, run_id)
         self.puller = make_puller(self.engine.pool.tensor)
         self.transfer_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-kv-pull")
         self.importing: dict[str, KVHandoff] = {}  # blocks reserved, transfer running

@@ -14,6 +14,11 @@ loop. The engine loop runs in three steps, like vLLM's busy loop:
 An op that raises a `PdrtError` ends its request with a `RequestFailed` to
 the gateway; it never takes the worker down.
 
+On the CPU, prefill and decode workers keep an entry in the run's thread
+ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
+work, and a decode worker runs each step with the threads of the idle ones
+too, unless `[decode] borrow_threads` is off.
+
 Drafts (prompts still being typed) are handled here for every role that
 prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
 a request (`on_submitted` lets the role record what it needs), and a draft
@@ -38,6 +43,7 @@ from pdrt.errors import PdrtError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
 from pdrt.wire import DraftSubmitted, DraftUpdate, Load, RequestFailed, StepOutputs
 
@@ -54,10 +60,20 @@ class EngineWorker(Actor):
     role = ""
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
+                 run_id: str = "local",
                  kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
         self.config = config
         self.process_id = process_id
-        self.engine = LLMEngine(config.engine_config(self.role), kv_allocator=kv_allocator)
+        engine_config = config.engine_config(self.role)
+        self.engine = LLMEngine(engine_config, kv_allocator=kv_allocator)
+        self.ledger: ThreadLedger | None = None
+        self.step_threads = engine_config.num_threads
+        if self.role in ("prefill", "decode") and engine_config.device == "cpu":
+            try:
+                self.ledger = ThreadLedger(run_id, process_id, engine_config.num_threads,
+                                           borrow=self.role == "decode" and config.decode.borrow_threads)
+            except OSError as exc:  # no /dev/shm: the worker runs on its own threads alone
+                log.warning("no thread ledger: this worker neither lends nor borrows threads", error=str(exc))
         self.outbox = Outbox(ctx, process_id)
         self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver)
         self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, self.role,
@@ -171,10 +187,13 @@ class EngineWorker(Actor):
         while True:
             if self._apply_ops():
                 self._load = self._measure_load()  # what just arrived counts before the (maybe long) step
-            if self.engine.has_unfinished():
+            has_work = self.engine.has_unfinished()
+            if self.ledger is not None:
+                self.ledger.set_busy(has_work)
+            if has_work:
                 started = time.perf_counter()
-                outputs = await loop.run_in_executor(self.executor, self.engine.step)
-                self.metrics.stepped(started)
+                outputs = await loop.run_in_executor(self.executor, self._step)
+                self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
                 if outputs:
                     self.emit(outputs)
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op
@@ -186,6 +205,15 @@ class EngineWorker(Actor):
             now = time.monotonic()
             if now - self._load_measured_at >= LOAD_REFRESH_S:  # heartbeats read it 4 times a second
                 self._load, self._load_measured_at = self._measure_load(), now
+
+    def _step(self) -> list[RequestOutput]:
+        """On the engine thread: one engine step, with the threads the ledger allows now."""
+        if self.ledger is not None and self.ledger.borrow:
+            threads = self.ledger.threads_for_step()
+            if threads != self.step_threads:
+                torch.set_num_threads(threads)  # this thread's OpenMP team; the kernels read it too
+                self.step_threads = threads
+        return self.engine.step()
 
     def emit(self, outputs: list[RequestOutput]) -> None:
         """Send each gateway the outputs of its requests, one message per gateway."""
@@ -240,6 +268,8 @@ class EngineWorker(Actor):
             await self._ref.stop()
             self.executor.shutdown(wait=True)
             self.outbox.close()
+            if self.ledger is not None:
+                self.ledger.close()
             self.close()
 
     def close(self) -> None:

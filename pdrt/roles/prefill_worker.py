@@ -40,7 +40,7 @@ class PrefillWorker(EngineWorker):
                  run_id: str) -> None:
         backend = TransferBackend[config.transfer.upper()]
         self.source = make_source(backend, f"pdrt-{run_id}-{process_id}-{incarnation}", config.host)
-        super().__init__(config, process_id, incarnation, ctx, kv_allocator=self.source.allocate)
+        super().__init__(config, process_id, incarnation, ctx, run_id, kv_allocator=self.source.allocate)
         self.lease_s = config.engine.kv_lease_s
         self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline

@@ -1,0 +1,61 @@
+"""The thread ledger: decode workers borrow the threads of idle prefill workers of their run, and only those."""
+
+import pytest
+
+from pdrt.roles import thread_ledger
+from pdrt.roles.thread_ledger import ThreadLedger
+from pdrt.supervisor.leftovers import process_prefix, remove_segments
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    monkeypatch.setattr(thread_ledger, "RESCAN_S", 0.0)  # every call sees the peers as they are now
+    made: list[ThreadLedger] = []
+
+    def make(process_id: str, threads: int = 1, borrow: bool = True, run_id: str = "run1") -> ThreadLedger:
+        made.append(ThreadLedger(run_id, process_id, threads, borrow, shm_dir=tmp_path))
+        return made[-1]
+
+    yield make
+    for entry in made:
+        entry.close()
+
+
+def test_decode_borrows_an_idle_prefill_workers_threads_and_gives_them_back_when_it_is_busy(ledger):
+    decode = ledger("decode-0")
+    prefill = ledger("prefill-0", threads=3)
+    assert decode.threads_for_step() == 4
+    prefill.set_busy(True)
+    assert decode.threads_for_step() == 1
+    prefill.set_busy(False)
+    assert decode.threads_for_step() == 4
+
+
+def test_decode_workers_share_the_idle_threads(ledger):
+    decodes = [ledger("decode-0"), ledger("decode-1")]
+    ledger("prefill-0", threads=2)
+    ledger("prefill-1", threads=2)
+    assert [d.threads_for_step() for d in decodes] == [3, 3]
+
+
+def test_nothing_is_borrowed_without_borrow_from_other_runs_or_from_decode_peers(ledger):
+    assert ledger("decode-0", borrow=False).threads_for_step() == 1
+    ledger("prefill-0", threads=4, run_id="run2")
+    ledger("decode-9", threads=4)
+    assert ledger("decode-1").threads_for_step() == 1  # its only peer of run1 is decode-9, which lends nothing
+
+
+def test_a_crashed_prefill_workers_segment_removed_by_the_supervisor_lends_nothing(ledger, tmp_path):
+    decode = ledger("decode-0")
+    prefill = ledger("prefill-0", threads=2)
+    assert decode.threads_for_step() == 3
+    assert remove_segments(process_prefix("run1", "prefill-0"), shm_dir=tmp_path) == [prefill.path.name]
+    assert decode.threads_for_step() == 1
+
+
+def test_close_removes_the_workers_segment(ledger, tmp_path):
+    prefill = ledger("prefill-0")
+    assert prefill.path.exists()
+    prefill.close()
+    assert not prefill.path.exists()
+    assert ledger("decode-0").threads_for_step() == 1
