@@ -2,7 +2,8 @@
 
 On this machine's cores, with one model and the chat workload of `pdrt bench`:
 
-  (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each;
+  (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
+      borrowing the prefill worker's thread for the steps it runs while prefill idles (`--no-borrow`: never);
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
   (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
       of the two is kept and named.
@@ -92,10 +93,10 @@ def log(message: str) -> None:
 # -- servers -----------------------------------------------------------------------------------------------
 
 class PdrtServer:
-    def __init__(self, workdir: Path, model: str, mode: str) -> None:
+    def __init__(self, workdir: Path, model: str, mode: str, borrow: bool = True) -> None:
         self.http_port = free_port()
         workers = {"colocated": {"threads": os.cpu_count() or 2}} if mode == "colocated" else \
-            {"prefill": {"threads": 1}, "decode": {"threads": 1}}
+            {"prefill": {"threads": 1}, "decode": {"threads": 1, "borrow_threads": borrow}}
         self.node = Node(workdir, model, mode=mode, transfer="shm", engine={"kv_cache_bytes": KV_CACHE_BYTES},
                          extra={"gateway": {"http_port": self.http_port}, **workers})
 
@@ -185,7 +186,7 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
                 salt: str) -> Ladder:
     """Rates doubling from start_rate until attainment misses the target, then one rate between the last
     that met it and the first that missed (their geometric mean), so goodput is interpolated over a √2
-    bracket. A system that misses at the first rate halves it instead, until it meets the target."""
+    bracket. A system that misses at the first rate halves it instead (3 times at most) until it meets the target."""
     driver, info = await _open(target)
     ladder = Ladder(name)
 
@@ -210,7 +211,7 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
             else:
                 missed = rate
                 break
-        while passed is None and missed is not None and missed > start_rate / 4:
+        while passed is None and missed is not None and missed > start_rate / 8:
             rate = missed / 2
             if await measure(rate) >= TARGET:
                 passed = rate
@@ -374,6 +375,8 @@ def main() -> None:
                         help="transformers serve with continuous batching, without, or both (the better is kept)")
     parser.add_argument("--pdrt-protocol", choices=["http", "native"], default="http")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-borrow", action="store_true",
+                        help="the decode worker never borrows the idle prefill worker's thread (a static split)")
     parser.add_argument("--out", default="bench-results/goodput", help="folder for JSON and PNG files")
     args = parser.parse_args()
 
@@ -394,7 +397,7 @@ def main() -> None:
         return PdrtServer(workdir, model, "colocated")
 
     def disaggregated() -> PdrtServer:
-        return PdrtServer(workdir, model, "disaggregated")
+        return PdrtServer(workdir, model, "disaggregated", borrow=not args.no_borrow)
 
     # Pilot: SLOs and rates from the colocated server (skipped when they are all given).
     if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
@@ -408,7 +411,9 @@ def main() -> None:
         finally:
             server.stop()
     slo = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
-    start_rate = args.start_rate or round(light_rate, 3)
+    # Four times the light load: every system measured so far meets its SLOs there, and the rates below, which
+    # any would pass, take the longest to measure (MIN_REQUESTS at a low rate); a miss halves it, 3 times at most.
+    start_rate = args.start_rate or round(4 * light_rate, 3)
     print(f"SLOs: TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms (chat workload, "
           f"length scale {settings.length_scale}); ladder from {start_rate:g} req/s, doubling; "
           f"attainment target {TARGET:.0%}", flush=True)
@@ -471,7 +476,8 @@ def main() -> None:
     print(f"\n== goodput (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, TPOT "
           f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
     hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
-    rows = [("pdrt disaggregated (1P+1D, 1 thread each)", "disaggregated"),
+    split = "static split" if args.no_borrow else "decode borrows idle prefill's"
+    rows = [(f"pdrt disaggregated (1P+1D, 1 thread each, {split})", "disaggregated"),
             (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
     for label, key in rows:
         if goodputs[key]:
