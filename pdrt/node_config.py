@@ -15,6 +15,8 @@ variables and then by command-line flags. Every table and key is optional:
     enabled = true                            # false: no gateway on this node
     ttft_slo_s = 1.0                          # the SLOs that goodput (and ETOP) count against
     tpot_slo_s = 0.1
+    local_prefill_max_tokens = 512            # a prompt this short is prefilled on its decode worker
+    local_prefill_queue_tokens = 512          # when the prefill workers have this many tokens waiting
 
     [warmup]                                  # UDP warmup channel, off without a key
     port = 7102
@@ -78,6 +80,11 @@ class GatewayConfig(_Table):
     tpot_slo_s: float = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
     http_port: int = 7180  # the OpenAI-compatible HTTP front and the demo page; 0 turns it off
     api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
+    # Conditional disaggregation (pdrt/roles/request_table.py): a prompt of at most local_prefill_max_tokens
+    # (0: none) is prefilled by its decode worker itself while the prefill workers have at least
+    # local_prefill_queue_tokens of prompts waiting, one such prompt per decode worker at a time.
+    local_prefill_max_tokens: int = 512
+    local_prefill_queue_tokens: int = 512
 
 
 class WarmupConfig(_Table):
@@ -158,6 +165,8 @@ class NodeConfig(_Table):
         if not self.process_names():
             raise ConfigError("this node runs no process: enable the controller or the gateway, or give a worker "
                               "count")
+        if self.gateway.local_prefill_max_tokens < 0 or self.gateway.local_prefill_queue_tokens < 0:
+            raise ConfigError("[gateway] local_prefill_max_tokens and local_prefill_queue_tokens must be >= 0")
         if not (0 <= self.controller.metrics_port < 65536):
             raise ConfigError(f"[controller] metrics_port must be in 0..65535, got {self.controller.metrics_port}")
 

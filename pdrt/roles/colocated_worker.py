@@ -21,9 +21,7 @@ class ColocatedWorker(EngineWorker):
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):
-            rid = message.request_id
-            self.reply_to[rid] = message.reply_to
-            self.queue_op(rid, lambda: self.engine.add_request(rid, message.token_ids, message.params))
+            self.add_whole_request(message)
         elif isinstance(message, DraftUpdate):
             self.draft_update(message)
         elif isinstance(message, DraftSubmitted):

@@ -12,6 +12,10 @@ Life cycle of a request in this worker:
 4. every engine step sends the new tokens of all its requests to each
    gateway in one message.
 
+A `PrefillRequest` (conditional disaggregation: the gateway found the
+prefill workers backed up and the prompt short) is prefilled and decoded
+here, as a colocated worker would.
+
 A failed transfer ends the request with `RequestFailed("transfer_failed")`;
 it never decodes from KV that did not arrive. An `Abort` while the transfer
 runs waits for it to end before freeing the blocks, because the transfer
@@ -31,7 +35,7 @@ from pdrt.errors import KVPoolFullError, PdrtError, TransferError
 from pdrt.node_config import NodeConfig
 from pdrt.roles.engine_worker import EngineWorker
 from pdrt.transport import make_puller
-from pdrt.wire import Abort, KVAck, KVHandoff
+from pdrt.wire import Abort, KVAck, KVHandoff, PrefillRequest
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +63,8 @@ class DecodeWorker(EngineWorker):
                 return
             self.reply_to[message.request_id] = message.reply_to
             self.queue_op(message.request_id, lambda: self._reserve(message))
+        elif isinstance(message, PrefillRequest):  # conditional disaggregation: a short prompt to prefill here
+            self.add_whole_request(message)
         elif isinstance(message, Abort):
             self._abort(message.request_id)
         else:

@@ -45,7 +45,7 @@ from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Inbox, Outbox
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
-from pdrt.wire import DraftSubmitted, DraftUpdate, Load, RequestFailed, StepOutputs
+from pdrt.wire import DraftSubmitted, DraftUpdate, Load, PrefillRequest, RequestFailed, StepOutputs
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +99,12 @@ class EngineWorker(Actor):
         """Run `op` on the engine before its next step; a PdrtError from it fails `request_id`."""
         self.ops.append((request_id, op))
         self.wake.set()
+
+    def add_whole_request(self, request: PrefillRequest) -> None:
+        """Prefill and decode `request` here (a colocated worker's requests; a decode worker's local prefills)."""
+        rid = request.request_id
+        self.reply_to[rid] = request.reply_to
+        self.queue_op(rid, lambda: self.engine.add_request(rid, request.token_ids, request.params))
 
     def fail(self, request_id: str, exc: PdrtError, retryable: bool = False) -> None:
         reply_to = self.reply_to.pop(request_id, None)

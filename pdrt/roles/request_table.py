@@ -103,6 +103,9 @@ class RequestTable:
             self.drafts.drop(draft, "drafts_rerouted")  # its KV is gone with its worker, or it never had any
         if prefill is None or (decode is None and self.role == "prefill"):
             return False
+        local = not held and req.preferred is None and self._prefills_on_decode(req, prefill, decode)
+        if local:
+            prefill, decode = decode, None  # the decode worker prefills and decodes it, as a colocated one would
         req.attempt += 1
         req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
         req.prefill, req.decode = prefill, decode
@@ -123,8 +126,33 @@ class RequestTable:
         self.metrics.sent(req)
         log.info("request routed", request_id=req.internal_id, client_request_id=req.request_id,
                  prompt_tokens=len(req.prompt_token_ids), prefill=prefill.process_id,
-                 decode=decode.process_id if decode else None, from_draft=held)
+                 decode=decode.process_id if decode else None, from_draft=held, prefilled_on_decode=local)
         return True
+
+    def _prefills_on_decode(self, req: GatewayRequest, prefill: WorkerInfo | None, decode: WorkerInfo | None) -> bool:
+        """Conditional disaggregation: whether the decode worker should prefill this prompt itself.
+
+        When every prefill worker is backed up, a short prompt waits there for
+        the whole queue, while a decode worker, which runs without a break but
+        often well within its TPOT SLO, computes it in one step of its own.
+        That step stalls its decodes (a prompt of at most
+        `local_prefill_max_tokens`, one at a time per decode worker), so it is
+        taken only while the prefill worker `pick` chose has at least
+        `local_prefill_queue_tokens` of this gateway's prompts not yet
+        answered. Drafts and warmed-up sessions keep their prefill worker.
+        """
+        cfg = self.config
+        if prefill is None or decode is None or not 0 < len(req.prompt_token_ids) <= cfg.local_prefill_max_tokens:
+            return False
+        backlog, local = 0, False
+        for other in self.requests.values():
+            if other.has_tokens or other.prefill is None:
+                continue
+            if other.prefill.process_id == prefill.process_id:
+                backlog += len(other.prompt_token_ids)
+            elif other.prefill.process_id == decode.process_id:
+                local = True
+        return backlog >= cfg.local_prefill_queue_tokens and not local
 
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
