@@ -15,8 +15,8 @@ variables and then by command-line flags. Every table and key is optional:
     enabled = true                            # false: no gateway on this node
     ttft_slo_s = 1.0                          # the SLOs that goodput (and ETOP) count against
     tpot_slo_s = 0.1
-    local_prefill_max_tokens = 512            # a prompt this short is prefilled on its decode worker
-    local_prefill_queue_tokens = 512          # when the prefill workers have this many tokens waiting
+    local_prefill_max_tokens = 512            # a prompt this short may be prefilled on its decode worker
+    local_prefill_queue_tokens = 512          # while the prefill worker has this many tokens waiting
 
     [warmup]                                  # UDP warmup channel, off without a key
     port = 7102

@@ -2,11 +2,13 @@
 
 import json
 import time
+import urllib.request
 
 import pytest
 
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.testing.node import Node
+from pdrt.metrics.exposition import parse, total
+from pdrt.testing.node import Node, free_port
 from tests.system_client import RawClient, used_blocks, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -26,7 +28,10 @@ def node(model_dirs, tmp_path_factory):
     # Any queue at the prefill worker is long enough: every short prompt that finds the decode worker free of
     # another local prefill is prefilled there.
     gateway = {"local_prefill_max_tokens": MAX_LOCAL, "local_prefill_queue_tokens": 1}
-    with Node(tmp_path_factory.mktemp("conditional"), str(model_dirs["llama"]), extra={"gateway": gateway}) as running:
+    metrics_port = free_port()
+    with Node(tmp_path_factory.mktemp("conditional"), str(model_dirs["llama"]),
+              extra={"gateway": gateway, "controller": {"metrics_port": metrics_port}}) as running:
+        running.metrics_port = metrics_port
         yield running
 
 
@@ -48,3 +53,9 @@ def test_short_prompts_behind_a_busy_prefill_worker_are_prefilled_on_the_decode_
     assert local, "no short prompt was prefilled on the decode worker"
     assert not local & {f"r{i}" for i in range(len(long_prompts))}, "a prompt over the limit went to decode"
     wait_for(lambda: used_blocks(node) == {"prefill-0": 0, "decode-0": 0}, timeout_s=10)
+
+    def counted() -> float:  # the gateway reports its metrics to the controller every second
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) as reply:
+            return total(parse(reply.read()), "pdrt_gateway_prefills_on_decode_total")
+
+    wait_for(lambda: counted() == len(local), timeout_s=10, interval_s=0.2)

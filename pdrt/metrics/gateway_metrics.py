@@ -58,6 +58,8 @@ class GatewayMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdrt_gateway_requests", "Requests ended, by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("pdrt_gateway_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.prefills_on_decode = Counter("pdrt_gateway_prefills_on_decode", "Attempts sent to a decode worker to "
+                                          "prefill itself (conditional disaggregation)", registry=r)
         self.cached_tokens = Counter("pdrt_gateway_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                      registry=r)
         self.output_tokens = Counter("pdrt_gateway_output_tokens", "Output tokens of ended requests", registry=r)

@@ -106,6 +106,7 @@ class RequestTable:
         local = not held and req.preferred is None and self._prefills_on_decode(req, prefill, decode)
         if local:
             prefill, decode = decode, None  # the decode worker prefills and decodes it, as a colocated one would
+            self.metrics.prefills_on_decode.inc()
         req.attempt += 1
         req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
         req.prefill, req.decode = prefill, decode
