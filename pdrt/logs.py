@@ -14,9 +14,11 @@ def configure_logging(process: str | None = None, level: int = logging.INFO) -> 
         structlog.processors.format_exc_info,
     ]
     renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    # WriteLogger writes a line and its newline in one write(): the processes of a node share one stderr, and
+    # print()'s two writes (the line, then the newline) let another process's line land between them.
     structlog.configure(processors=processors + [renderer],
                         wrapper_class=structlog.make_filtering_bound_logger(level),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
+                        logger_factory=structlog.WriteLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
     if process is not None:
         structlog.contextvars.bind_contextvars(process=process)
 
