@@ -24,6 +24,7 @@ class LoadedModel:
     tokenizer: Any | None
     context_length: int
     eos_token_ids: list[int]
+    num_params: int = 0  # counted before packing: packed weights are not parameters
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -81,12 +82,13 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(torch_device).eval()
+    num_params = sum(p.numel() for p in model.parameters())
     pack_linears(model)  # float32 on the CPU: oneDNN on weights packed once (pdrt/engine/cpu_linear.py)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except (OSError, ValueError):
         tokenizer = None  # token-id-only use is still possible
-    return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model))
+    return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model), num_params)
 
 
 def load_tokenizer(path: str) -> tuple[Any, int]:

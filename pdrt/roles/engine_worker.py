@@ -17,7 +17,8 @@ the gateway; it never takes the worker down.
 On the CPU, prefill and decode workers keep an entry in the run's thread
 ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
 work, and a decode worker runs each step with the threads of the idle ones
-too, unless `[decode] borrow_threads` is off.
+too, unless `[decode] borrow_threads` is off or the model has fewer than
+`borrow_min_params` parameters.
 
 Drafts (prompts still being typed) are handled here for every role that
 prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
@@ -56,6 +57,11 @@ DRAFT_PAUSE_S = 0.2
 LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measuring it costs a pass over the queues
 
 
+def borrows(config: NodeConfig, engine: LLMEngine) -> bool:
+    """Whether a decode worker of this engine borrows idle prefill threads (`[decode] borrow_*`)."""
+    return config.decode.borrow_threads and engine.loaded.num_params >= config.decode.borrow_min_params
+
+
 class EngineWorker(Actor):
     role = ""
 
@@ -71,7 +77,7 @@ class EngineWorker(Actor):
         if self.role in ("prefill", "decode") and engine_config.device == "cpu":
             try:
                 self.ledger = ThreadLedger(run_id, process_id, engine_config.num_threads,
-                                           borrow=self.role == "decode" and config.decode.borrow_threads)
+                                           borrow=self.role == "decode" and borrows(config, self.engine))
             except OSError as exc:  # no /dev/shm: the worker runs on its own threads alone
                 log.warning("no thread ledger: this worker neither lends nor borrows threads", error=str(exc))
         self.outbox = Outbox(ctx, process_id)
