@@ -3,7 +3,8 @@
 On this machine's cores, with one model and the chat workload of `pdrt bench`:
 
   (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
-      borrowing the prefill worker's thread for the steps it runs while prefill idles (`--no-borrow`: never);
+      borrowing the prefill worker's thread for the steps it runs while prefill idles, for models of
+      `[decode] borrow_min_params` or more (`--no-borrow`: never);
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
   (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
       of the two is kept and named.
@@ -366,6 +367,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few rates, short runs, half-length requests")
     parser.add_argument("--repeats", type=int, help="rounds of every ladder and interference run (medians)")
     parser.add_argument("--duration", type=float, help="seconds of arrivals per rate")
+    parser.add_argument("--interference-s", type=float, help="seconds of arrivals of each interference run")
     parser.add_argument("--ttft-slo", type=float, help="seconds (default: from the pilot)")
     parser.add_argument("--tpot-slo", type=float, help="seconds (default: from the pilot)")
     parser.add_argument("--start-rate", type=float, help="the ladder's first rate (default: from the pilot)")
@@ -385,6 +387,8 @@ def main() -> None:
         settings.repeats = args.repeats
     if args.duration:
         settings.duration_s = args.duration
+    if args.interference_s:
+        settings.interference_s = args.interference_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
@@ -476,7 +480,7 @@ def main() -> None:
     print(f"\n== goodput (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, TPOT "
           f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
     hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
-    split = "static split" if args.no_borrow else "decode borrows idle prefill's"
+    split = "static split" if args.no_borrow else "decode borrows idle prefill's if >= 10 M params"
     rows = [(f"pdrt disaggregated (1P+1D, 1 thread each, {split})", "disaggregated"),
             (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
     for label, key in rows:
