@@ -1,11 +1,13 @@
 """A minimal raw client for system tests: speaks pdrt.wire directly, so the tests check the protocol itself."""
 
 import time
+import urllib.request
 
 import msgspec
 import zmq
 
 from pdrt.engine.sampling_params import SamplingParams
+from pdrt.metrics.exposition import parse
 from pdrt.wire import (
     PROTOCOL_VERSION,
     Error,
@@ -78,6 +80,13 @@ def node_status(node) -> Status:
 def used_blocks(node) -> dict[str, int]:
     """KV blocks in use per live worker (loads arrive with heartbeats: a quarter second late)."""
     return {w.process_id: w.load.num_used_blocks for w in node_status(node).workers}
+
+
+def scrape(node) -> tuple[str, list]:
+    """The controller's merged metrics, as text and parsed, from a node started with `node.metrics_url` set."""
+    with urllib.request.urlopen(node.metrics_url, timeout=5) as reply:
+        text = reply.read().decode()
+    return text, parse(text.encode())
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):

@@ -2,14 +2,13 @@
 
 import json
 import time
-import urllib.request
 
 import pytest
 
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.metrics.exposition import parse, total
+from pdrt.metrics.exposition import total
 from pdrt.testing.node import Node, free_port
-from tests.system_client import RawClient, used_blocks, wait_for
+from tests.system_client import RawClient, scrape, used_blocks, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 MAX_LOCAL = 64
@@ -31,7 +30,7 @@ def node(model_dirs, tmp_path_factory):
     metrics_port = free_port()
     with Node(tmp_path_factory.mktemp("conditional"), str(model_dirs["llama"]),
               extra={"gateway": gateway, "controller": {"metrics_port": metrics_port}}) as running:
-        running.metrics_port = metrics_port
+        running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield running
 
 
@@ -55,7 +54,6 @@ def test_short_prompts_behind_a_busy_prefill_worker_are_prefilled_on_the_decode_
     wait_for(lambda: used_blocks(node) == {"prefill-0": 0, "decode-0": 0}, timeout_s=10)
 
     def counted() -> float:  # the gateway reports its metrics to the controller every second
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) as reply:
-            return total(parse(reply.read()), "pdrt_gateway_prefills_on_decode_total")
+        return total(scrape(node)[1], "pdrt_gateway_prefills_on_decode_total")
 
     wait_for(lambda: counted() == len(local), timeout_s=10, interval_s=0.2)

@@ -5,16 +5,15 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from pdrt.engine.sampling_params import SamplingParams
-from pdrt.metrics.exposition import parse, samples, total
+from pdrt.metrics.exposition import samples, total
 from pdrt.metrics.status_table import CLEAR
 from pdrt.testing.node import Node, free_port
 from pdrt.wire import Cancel, Generate, Tokens
-from tests.system_client import RawClient
+from tests.system_client import RawClient, scrape
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -34,12 +33,6 @@ def client(node):
     c = RawClient(node.address)
     yield c
     c.close()
-
-
-def scrape(node: Node) -> tuple[str, list]:
-    with urllib.request.urlopen(node.metrics_url, timeout=5) as reply:
-        text = reply.read().decode()
-    return text, parse(text.encode())
 
 
 def scrape_until(node: Node, predicate, timeout_s: float = 15.0) -> list:
