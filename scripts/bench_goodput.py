@@ -52,6 +52,7 @@ from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
 from pdrt.bench.workloads import LengthLimits
 from pdrt.models.fetch import default_model_dir, is_fetched
+from pdrt.node_config import DecodeGroup
 from pdrt.testing.node import Node, free_port
 from pdrt.testing.tiny_model import build_tiny_model
 
@@ -480,7 +481,8 @@ def main() -> None:
     print(f"\n== goodput (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, TPOT "
           f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
     hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
-    split = "static split" if args.no_borrow else "decode borrows idle prefill's if >= 10 M params"
+    split = "static split" if args.no_borrow else \
+        f"decode borrows idle prefill's if >= {DecodeGroup().borrow_min_params / 1e6:g} M params"
     rows = [(f"pdrt disaggregated (1P+1D, 1 thread each, {split})", "disaggregated"),
             (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
     for label, key in rows:

@@ -24,7 +24,7 @@ class LoadedModel:
     tokenizer: Any | None
     context_length: int
     eos_token_ids: list[int]
-    num_params: int = 0  # counted before packing: packed weights are not parameters
+    num_params: int  # counted before packing: packed weights are not parameters
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
