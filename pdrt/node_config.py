@@ -16,7 +16,9 @@ variables and then by command-line flags. Every table and key is optional:
     ttft_slo_s = 1.0                          # the SLOs that goodput (and ETOP) count against
     tpot_slo_s = 0.1
     local_prefill_max_tokens = 512            # a prompt this short may be prefilled on its decode worker
-    local_prefill_queue_tokens = 512          # while the prefill worker has this many tokens waiting
+    local_prefill_queue_tokens = 512          # while the prefill worker has this many tokens waiting,
+    local_prefill_max_slowdown = 1.25         # and the decode worker's recent steps, stalls included, take at
+                                              # most this many times its plain decode steps (and < tpot_slo_s)
 
     [warmup]                                  # UDP warmup channel, off without a key
     port = 7102
@@ -35,6 +37,8 @@ variables and then by command-line flags. Every table and key is optional:
     [prefill]                                 # [decode] and [colocated] alike
     count = 1
     threads = 1
+    nice = 10                                 # CPU priority of the process (0 for decode and colocated):
+                                              # on shared cores, decode steps and the gateway go first
 
     [decode]
     borrow_threads = true                     # on the CPU, each decode step also runs on the threads
@@ -83,9 +87,13 @@ class GatewayConfig(_Table):
     api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
     # Conditional disaggregation (pdrt/roles/request_table.py): a prompt of at most local_prefill_max_tokens
     # (0: none) is prefilled by its decode worker itself while the prefill workers have at least
-    # local_prefill_queue_tokens of prompts waiting, one such prompt per decode worker at a time.
+    # local_prefill_queue_tokens of prompts waiting, one such prompt per decode worker at a time, and only
+    # while that worker's recent steps, its stalls for such prompts included, average under tpot_slo_s and
+    # under local_prefill_max_slowdown times its steps that only decode: the stall is paid by the requests
+    # decoding there, and disaggregation exists to bound it.
     local_prefill_max_tokens: int = 512
     local_prefill_queue_tokens: int = 512
+    local_prefill_max_slowdown: float = 1.25
 
 
 class WarmupConfig(_Table):
@@ -128,6 +136,14 @@ class EngineSettings(_Table):
 class WorkerGroup(_Table):
     count: int = 1
     threads: int | None = None  # default: the cores split evenly across workers
+    nice: int = 0  # the worker process's niceness (-20..19; below 0 needs CAP_SYS_NICE)
+
+
+class PrefillGroup(WorkerGroup):
+    # Where prefill shares cores with decode workers, the gateway and clients (a CPU host, or a GPU host's
+    # few cores), a prompt's seconds of arithmetic must not delay a decode step or a token on its way out:
+    # the scheduler gives a runnable process of niceness 0 about ten times the CPU of one at 10.
+    nice: int = 10
 
 
 class DecodeGroup(WorkerGroup):
@@ -148,7 +164,7 @@ class NodeConfig(_Table):
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
-    prefill: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
+    prefill: PrefillGroup = msgspec.field(default_factory=PrefillGroup)
     decode: DecodeGroup = msgspec.field(default_factory=DecodeGroup)
     colocated: WorkerGroup = msgspec.field(default_factory=WorkerGroup)
 
@@ -160,6 +176,8 @@ class NodeConfig(_Table):
         for name in WORKER_ROLES:
             if getattr(self, name).count < 0:
                 raise ConfigError(f"[{name}] count must be >= 0")
+            if not -20 <= getattr(self, name).nice <= 19:
+                raise ConfigError(f"[{name}] nice must be in -20..19, got {getattr(self, name).nice}")
         for name, port in (("gateway", self.gateway.port), ("controller", self.controller.port)):
             if not (0 < port < 65536):
                 raise ConfigError(f"[{name}] port must be in 1..65535, got {port}")
@@ -172,6 +190,9 @@ class NodeConfig(_Table):
                               "count")
         if self.gateway.local_prefill_max_tokens < 0 or self.gateway.local_prefill_queue_tokens < 0:
             raise ConfigError("[gateway] local_prefill_max_tokens and local_prefill_queue_tokens must be >= 0")
+        if not self.gateway.local_prefill_max_slowdown >= 1.0:
+            raise ConfigError(f"[gateway] local_prefill_max_slowdown must be >= 1, got "
+                              f"{self.gateway.local_prefill_max_slowdown}")
         if not (0 <= self.controller.metrics_port < 65536):
             raise ConfigError(f"[controller] metrics_port must be in 0..65535, got {self.controller.metrics_port}")
 

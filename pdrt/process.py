@@ -8,7 +8,9 @@ set in the environment (`PDRT_WARMUP_KEY`, `PDRT_API_KEY`: a systemd unit's
 EnvironmentFile) take the place of the JSON's. SIGTERM or
 SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
-controller's registry.
+controller's registry. A worker first takes the CPU priority of its group
+(`[prefill] nice`, ...), before any thread starts: Linux sets niceness per
+thread, and threads inherit it from the one that starts them.
 """
 
 import asyncio
@@ -34,6 +36,21 @@ def _role(name: str) -> str:
         raise ConfigError(f"unknown process {name!r}: expected controller, gateway, prefill-N, decode-N or "
                           "colocated-N")
     return role
+
+
+def take_priority(config: NodeConfig, name: str) -> None:
+    """Set this process's niceness to its worker group's, where that differs from what it has."""
+    role = _role(name)
+    if role in ("controller", "gateway"):
+        return
+    nice = getattr(config, role).nice
+    if os.getpriority(os.PRIO_PROCESS, 0) == nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:  # lowering niceness needs CAP_SYS_NICE: run on as started
+        log.warning("cannot set the process's niceness", process=name, nice=nice,
+                    current=os.getpriority(os.PRIO_PROCESS, 0))
 
 
 async def serve(config: NodeConfig, name: str, run_id: str) -> None:
@@ -83,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         path = os.environ["PDRT_NODE_CONFIG"]
         with open(path, "rb") as f:
             config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY
-        _role(name)
+        take_priority(config, name)
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
     except KeyError:
         log.error("PDRT_NODE_CONFIG is not set; this process is started by `pdrt up`")

@@ -201,6 +201,11 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     num_drafts: int = 0
     num_draft_tokens_ahead: int = 0  # draft tokens whose KV was ready before their submit, since start
     num_draft_rollbacks: int = 0
+    # Over the last steps that decoded (pdrt.metrics.worker_metrics.RECENT_STEPS): their mean latency, and that
+    # of those among them that prefilled nothing (0.0 when there were none): what the worker's streams get
+    # between two tokens now, and what they would get without the prompts it prefills itself.
+    step_s: float = 0.0
+    decode_step_s: float = 0.0
 
 
 class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):

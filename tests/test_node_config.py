@@ -78,3 +78,15 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
     updated = with_secrets(config, {"PDRT_WARMUP_KEY": "k", "PDRT_PORT": "9999"})
     assert updated.warmup.key == "k" and updated.gateway.port == 7100
     assert with_secrets(config, {"PDRT_WARMUP_KEY": ""}) is config
+
+
+@pytest.mark.parametrize("toml", ["[prefill]\nnice = 20", "[decode]\nnice = -21",
+                                  "[gateway]\nlocal_prefill_max_slowdown = 0.9"])
+def test_out_of_range_priorities_and_slowdowns_are_refused(tmp_path: Path, toml: str):
+    with pytest.raises(ConfigError):
+        load(tmp_path, 'model = "/m"\n' + toml)
+
+
+def test_the_prefill_workers_yield_the_cpu_by_default_and_the_others_do_not(tmp_path: Path):
+    config = load(tmp_path, 'model = "/m"\n[prefill]\ncount = 2')
+    assert (config.prefill.nice, config.decode.nice, config.colocated.nice) == (10, 0, 0)

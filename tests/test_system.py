@@ -110,6 +110,20 @@ def test_one_request_id_follows_a_request_through_the_logs_of_every_process(node
     assert {"gateway", "prefill-0", "decode-0"} <= processes
 
 
+def niceness(pid: int) -> set[int]:
+    """The niceness of every thread of process `pid` (Linux keeps one per thread)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+
+
+def test_the_prefill_worker_and_every_thread_it_started_yield_the_cpu_to_the_other_processes(node, client, prompts):
+    assert client.generate_many([prompts[2]], GREEDY)["r0"]  # its engine and OpenMP threads have started
+    pids = node.child_pids()
+    assert niceness(pids["prefill-0"]) == {10}
+    others = {name: niceness(pids[name]) for name in ("controller", "gateway", "decode-0")}
+    assert all(values == {os.getpriority(os.PRIO_PROCESS, 0)} for values in others.values()), others
+
+
 def test_kill_9_of_the_decode_worker_ends_its_requests_within_5_s_and_it_is_restarted(node, client, prompts,
                                                                                      references):
     params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)

@@ -36,6 +36,7 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 BYTE_BUCKETS = tuple(float(4 ** k) for k in range(6, 17)) + (float("inf"),)  # 4 KiB .. 4 GiB
 PREFILLING_ROLES = ("prefill", "colocated")  # a decode worker never samples a prefill
 MAX_TRACKED_PREFILLS = 4096  # beyond this, forget prefills whose request is gone (aborted mid-prefill)
+RECENT_STEPS = 32  # steps that decoded, for the load's step_s and decode_step_s
 
 
 class WorkerMetrics:
@@ -50,6 +51,7 @@ class WorkerMetrics:
         self.step_tokens = Histogram("pdrt_worker_step_tokens", "Tokens one engine step computed (decodes and "
                                      "prefill chunks)", buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.decode_steps: deque[float] = deque(maxlen=DS_WINDOW)
+        self.recent_steps: deque[tuple[float, bool]] = deque(maxlen=RECENT_STEPS)  # (seconds, prefilled too)
         self.prefill_times: deque[float] = deque(maxlen=PSI_WINDOW)
         self.prefill_started: dict[str, float] = {}  # request id -> perf_counter of its first chunk's step
         if role in PREFILLING_ROLES:
@@ -83,6 +85,7 @@ class WorkerMetrics:
         self.step_seconds.observe(now - started)
         if batch.decodes:
             self.decode_steps.append(now - started)
+            self.recent_steps.append((now - started, bool(batch.prefills)))
         if borrowed_threads > 0:
             self.borrowing_steps.inc()
         self.step_tokens.observe(len(batch.decodes) + sum(n for _, n in batch.prefills))
@@ -106,6 +109,14 @@ class WorkerMetrics:
                 self.prefill_times.append(seconds)
         if len(self.prefill_started) > MAX_TRACKED_PREFILLS:
             self.prefill_started = {k: v for k, v in self.prefill_started.items() if k in self.engine.sequences}
+
+    def step_times(self) -> tuple[float, float]:
+        """Mean latency of the recent steps that decoded, and of those that prefilled nothing (0.0: none)."""
+        if not self.recent_steps:
+            return 0.0, 0.0
+        plain = [seconds for seconds, prefilled in self.recent_steps if not prefilled]
+        mean = sum(seconds for seconds, _ in self.recent_steps) / len(self.recent_steps)
+        return mean, sum(plain) / len(plain) if plain else 0.0
 
     def handoff_sent(self, num_blocks: int) -> None:
         self.handoffs_sent.inc()

@@ -34,11 +34,42 @@ from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_book import DraftBook, GatewayDraft
 from pdrt.warmup.warmups import Warmups
-from pdrt.wire import Abort, DraftSubmitted, Error, PrefillRequest, RequestFailed, StepOutputs, WorkerInfo
+from pdrt.wire import (
+    Abort,
+    DraftSubmitted,
+    Error,
+    Load,
+    PrefillRequest,
+    RequestFailed,
+    StepOutputs,
+    WorkerInfo,
+)
 
 log = structlog.get_logger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def may_prefill_on_decode(config: GatewayConfig, num_prompt_tokens: int, backlog_tokens: int, decode: Load) -> bool:
+    """Whether a prompt should be prefilled by its decode worker rather than queue behind `backlog_tokens`.
+
+    Only a prompt of at most `local_prefill_max_tokens`, behind a backlog of
+    at least `local_prefill_queue_tokens`. And only while the decode worker
+    has room for the stall in its streams' time between tokens: when it runs
+    no sequence, or when its recent steps, stalls included, average under the
+    TPOT SLO and under `local_prefill_max_slowdown` times its plain decode
+    steps. Each local prefill lengthens that average, so the decode worker
+    takes the next one only once its streams are back within the bound.
+    """
+    if not 0 < num_prompt_tokens <= config.local_prefill_max_tokens:
+        return False
+    if backlog_tokens < config.local_prefill_queue_tokens:
+        return False
+    if decode.num_running == 0:
+        return True
+    if decode.decode_step_s <= 0.0:
+        return False  # every recent step stalled for a prefill
+    return decode.step_s < min(config.tpot_slo_s, config.local_prefill_max_slowdown * decode.decode_step_s)
 
 
 class RequestTable:
@@ -136,24 +167,22 @@ class RequestTable:
         When every prefill worker is backed up, a short prompt waits there for
         the whole queue, while a decode worker, which runs without a break but
         often well within its TPOT SLO, computes it in one step of its own.
-        That step stalls its decodes (a prompt of at most
-        `local_prefill_max_tokens`, one at a time per decode worker), so it is
-        taken only while the prefill worker `pick` chose has at least
-        `local_prefill_queue_tokens` of this gateway's prompts not yet
-        answered. Drafts and warmed-up sessions keep their prefill worker.
+        `may_prefill_on_decode` weighs the two; the backlog is this gateway's
+        prompts that the prefill worker `pick` chose has not answered yet, and
+        one such prompt at a time goes to a decode worker. Drafts and
+        warmed-up sessions keep their prefill worker.
         """
-        cfg = self.config
-        if prefill is None or decode is None or not 0 < len(req.prompt_token_ids) <= cfg.local_prefill_max_tokens:
+        if prefill is None or decode is None:
             return False
-        backlog, local = 0, False
+        backlog = 0
         for other in self.requests.values():
             if other.has_tokens or other.prefill is None:
                 continue
             if other.prefill.process_id == prefill.process_id:
                 backlog += len(other.prompt_token_ids)
             elif other.prefill.process_id == decode.process_id:
-                local = True
-        return backlog >= cfg.local_prefill_queue_tokens and not local
+                return False  # its local prefill is still running
+        return may_prefill_on_decode(self.config, len(req.prompt_token_ids), backlog, decode.load)
 
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
