@@ -57,9 +57,14 @@ from pdrt.testing.node import Node, free_port
 from pdrt.testing.tiny_model import build_tiny_model
 
 CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
-KV_CACHE_BYTES = 768 << 20  # per worker: room for every chat request in flight at the rates measured
+# Per worker: room for every chat request in flight at the rates measured, so that no system is bound by its
+# pool (at 1.3 req/s of SmolLM2 chat, 768 MB left a decode worker's imports waiting up to their lease).
+KV_CACHE_BYTES = 4 << 30
 TARGET = 0.9
 MIN_REQUESTS = 10  # per rate: at low rates, rate x duration is too few requests to read an attainment off
+# The widest bracket of rates that goodput is interpolated over. Attainment is not linear in the rate: across a
+# bracket of 1.41 it fell from 100% to 19% (SmolLM2, disaggregated), so the 90% crossing needs a narrower one.
+BRACKET = 1.2
 
 
 @dataclass(slots=True)
@@ -95,12 +100,21 @@ def log(message: str) -> None:
 # -- servers -----------------------------------------------------------------------------------------------
 
 class PdrtServer:
-    def __init__(self, workdir: Path, model: str, mode: str, borrow: bool = True) -> None:
+    """`pdrt up` told the SLOs it is measured against, as a deployment serving for goodput would be: they
+    bound what its decode workers spend on prefills of their own (conditional disaggregation)."""
+
+    def __init__(self, workdir: Path, model: str, mode: str, slo: Slo | None = None, borrow: bool = True,
+                 overrides: dict[str, dict] | None = None) -> None:
         self.http_port = free_port()
-        workers = {"colocated": {"threads": os.cpu_count() or 2}} if mode == "colocated" else \
+        settings: dict[str, dict] = {"colocated": {"threads": os.cpu_count() or 2}} if mode == "colocated" else \
             {"prefill": {"threads": 1}, "decode": {"threads": 1, "borrow_threads": borrow}}
+        settings["gateway"] = {"http_port": self.http_port}
+        if slo is not None:
+            settings["gateway"].update(ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s)
+        for table, values in (overrides or {}).items():
+            settings.setdefault(table, {}).update(values)
         self.node = Node(workdir, model, mode=mode, transfer="shm", engine={"kv_cache_bytes": KV_CACHE_BYTES},
-                         extra={"gateway": {"http_port": self.http_port}, **workers})
+                         extra=settings)
 
     def start(self) -> "PdrtServer":
         self.node.start()
@@ -186,9 +200,10 @@ async def warm_up(target: Target, settings: Settings) -> None:
 
 async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_rate: float, seed: int,
                 salt: str) -> Ladder:
-    """Rates doubling from start_rate until attainment misses the target, then one rate between the last
-    that met it and the first that missed (their geometric mean), so goodput is interpolated over a √2
-    bracket. A system that misses at the first rate halves it instead (3 times at most) until it meets the target."""
+    """Rates doubling from start_rate until attainment misses the target, then rates between the last that
+    met it and the first that missed (their geometric mean) until the two are within BRACKET of each other,
+    so goodput is interpolated over a bracket of at most BRACKET (2 rates more). A system that misses at the
+    first rate halves it instead (3 times at most) until it meets the target."""
     driver, info = await _open(target)
     ladder = Ladder(name)
 
@@ -219,8 +234,12 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
                 passed = rate
             else:
                 missed = rate
-        if passed is not None and missed is not None:
-            await measure((passed * missed) ** 0.5)
+        while passed is not None and missed is not None and missed / passed > BRACKET:
+            rate = (passed * missed) ** 0.5
+            if await measure(rate) >= TARGET:
+                passed = rate
+            else:
+                missed = rate
     finally:
         await driver.close()
     return ladder
@@ -287,12 +306,34 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms" if value >= 0.1 else f"{value * 1000:.1f} ms"
 
 
+def median_ratio(runs: list[dict]) -> float:
+    return statistics.median(r["ratio"] for r in runs) if runs else float("nan")
+
+
 def mean_output(ladder: Ladder) -> float:
     counts = [r.num_output_tokens for run in ladder.runs for r in run.records if r.ok]
     return statistics.mean(counts) if counts else 0.0
 
 
 # -- the run -----------------------------------------------------------------------------------------------
+
+def parse_settings(items: list[str], parser: argparse.ArgumentParser) -> dict[str, dict]:
+    """`--set table.key=value` items as {table: {key: value}}; values parse as TOML values, else as strings."""
+    import tomllib
+
+    settings: dict[str, dict] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        table, _, name = key.partition(".")
+        if not (table and name and value):
+            parser.error(f"--set takes TABLE.KEY=VALUE, got {item!r}")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value
+        settings.setdefault(table, {})[name] = parsed
+    return settings
+
 
 def resolve_model(arg: str | None, workdir: Path) -> tuple[str, str]:
     if arg and arg != "tiny":
@@ -377,12 +418,27 @@ def main() -> None:
     parser.add_argument("--hf", choices=["both", "cb", "no-cb"], default="both",
                         help="transformers serve with continuous batching, without, or both (the better is kept)")
     parser.add_argument("--pdrt-protocol", choices=["http", "native"], default="http")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--systems", default="colocated,disaggregated,hf",
+                        help="which systems climb the goodput ladder (comma-separated; default all three)")
+    parser.add_argument("--parts", default="goodput,interference", help="goodput, interference, or both")
+    parser.add_argument("--chat-rate", type=float, help="the interference chat stream's rate (default: 0.6x the "
+                                                        "colocated goodput); needed when goodput is not measured")
+    parser.add_argument("--long-rate", type=float, help="the interference long prompts' rate (default: a third "
+                                                        "of a core of prefill)")
     parser.add_argument("--no-borrow", action="store_true",
                         help="the decode worker never borrows the idle prefill worker's thread (a static split)")
+    parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a node setting of pdrt disaggregated (repeatable), e.g. "
+                             "gateway.local_prefill_max_tokens=0")
     parser.add_argument("--out", default="bench-results/goodput", help="folder for JSON and PNG files")
     args = parser.parse_args()
 
+    systems, parts = args.systems.split(","), args.parts.split(",")
+    if not set(systems) <= {"colocated", "disaggregated", "hf"} or not set(parts) <= {"goodput", "interference"}:
+        parser.error("--systems takes colocated, disaggregated, hf; --parts goodput, interference")
+    if "goodput" not in parts and not args.chat_rate:
+        parser.error("--chat-rate is needed when goodput is not measured")
+    overrides = parse_settings(args.set, parser)
     settings = replace(QUICK if args.quick else FULL)
     if args.repeats:
         settings.repeats = args.repeats
@@ -398,17 +454,19 @@ def main() -> None:
     print(f"bench_goodput {started:%Y-%m-%d %H:%M} UTC; model {model_name}; {os.cpu_count()} CPU cores; "
           f"{'quick' if args.quick else 'full'}: {settings}", flush=True)
 
+    slo: Slo | None = None
+
     def colocated() -> PdrtServer:
-        return PdrtServer(workdir, model, "colocated")
+        return PdrtServer(workdir, model, "colocated", slo)
 
     def disaggregated() -> PdrtServer:
-        return PdrtServer(workdir, model, "disaggregated", borrow=not args.no_borrow)
+        return PdrtServer(workdir, model, "disaggregated", slo, borrow=not args.no_borrow, overrides=overrides)
 
     # Pilot: SLOs and rates from the colocated server (skipped when they are all given).
     if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
         slo, light_rate, long_ttft = Slo(args.ttft_slo, args.tpot_slo), args.start_rate, args.long_ttft
     else:
-        server = colocated().start()
+        server = colocated().start()  # told no SLOs yet: they only count in its metrics
         try:
             target = server.target(args.pdrt_protocol)
             asyncio.run(warm_up(target, settings))
@@ -428,14 +486,16 @@ def main() -> None:
     ladders: dict[str, Ladder] = {}
     hf_choice: bool | None = None
     hf_all: dict[str, float] = {}
-    for repeat in range(settings.repeats):
+    for repeat in range(settings.repeats if "goodput" in parts else 0):
         seed = 100 + repeat
         for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
+            if name not in systems:
+                continue
             ladder = run_system(factory, args.pdrt_protocol, settings, slo, start_rate, seed, f"{name}:{repeat}",
                                 f"pdrt {name}")
             goodputs[name].append(ladder.goodput)
             ladders.setdefault(name, ladder)
-        if args.skip_hf:
+        if "hf" not in systems:
             continue
         modes = hf_modes if hf_choice is None else [hf_choice]
         best: tuple[float, bool, Ladder] | None = None
@@ -452,15 +512,20 @@ def main() -> None:
         ladders.setdefault("hf", best[2])
 
     # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in.
-    median_colocated = statistics.median(goodputs["colocated"])
-    chat_rate = round(max(start_rate, 0.6 * median_colocated), 3)
-    # Long prompts that keep a core about a third busy with prefill, and never more than half the chat rate.
-    long_rate = round(min(0.35 / long_ttft, chat_rate / 2), 3)
+    chat_rate = args.chat_rate or round(max(start_rate, 0.6 * statistics.median(goodputs["colocated"] or [0.0])), 3)
+    # Long prompts whose prefill keeps a core about a third busy, and never more than half the chat rate. The
+    # pilot's long prompt ran on every core (colocated), so it cost about that many core-seconds. (Until
+    # 2026-12-02 this divided by its TTFT alone, which on 2 cores put two thirds of a core of long prompts on
+    # top of the chat prompts: past the capacity of a one-core prefill worker, whose queue then grew for the
+    # whole run.)
+    long_rate = args.long_rate or round(min(0.35 / (long_ttft * (os.cpu_count() or 1)), chat_rate / 2), 3)
     print(f"interference: chat at {chat_rate:g} req/s, long prompts (summarization) at {long_rate:g} req/s, "
           f"{settings.interference_s:g} s each; native protocol, token ids, ignore_eos", flush=True)
     interference_runs: dict[str, list[dict]] = {"disaggregated": [], "colocated": []}
-    for repeat in range(settings.repeats):
+    for repeat in range(settings.repeats if "interference" in parts else 0):
         for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
+            if name not in systems:
+                continue
             server = factory().start()
             try:
                 target = server.target("native")
@@ -499,9 +564,11 @@ def main() -> None:
     print(f"  drivers: {driver_note}")
     print("\n== interference (chat TPOT p99 with long prompts / alone), median")
     for name, runs in interference_runs.items():
+        if not runs:
+            continue
         cells = "; ".join(f"{ms(r['tpot_p99_mixed'])}/{ms(r['tpot_p99_alone'])}={r['ratio']:.2f}, long TTFT p50 "
                           f"{ms(r['long_ttft_p50'])}" for r in runs)
-        print(f"  pdrt {name:14s} {statistics.median(r['ratio'] for r in runs):.2f}   ({cells})")
+        print(f"  pdrt {name:14s} {median_ratio(runs):.2f}   ({cells})")
     with open(out / f"{model_name.split()[0]}-summary.json", "w") as f:
         json.dump({"date": started.isoformat(), "model": model_name, "settings": str(settings),
                    "slo": [slo.ttft_s, slo.tpot_s], "start_rate": start_rate, "goodput": goodputs,
@@ -516,8 +583,8 @@ def main() -> None:
 
     print(f"goodput disagg_vs_colocated={ratio(goodputs['disaggregated'], goodputs['colocated']):.2f} "
           f"disagg_vs_hf={ratio(goodputs['disaggregated'], goodputs['hf']):.2f} "
-          f"interference_disagg={statistics.median(r['ratio'] for r in interference_runs['disaggregated']):.2f} "
-          f"interference_colocated={statistics.median(r['ratio'] for r in interference_runs['colocated']):.2f}")
+          f"interference_disagg={median_ratio(interference_runs['disaggregated']):.2f} "
+          f"interference_colocated={median_ratio(interference_runs['colocated']):.2f}")
 
 
 if __name__ == "__main__":
