@@ -17,12 +17,15 @@ then the pdrt-vs-transformers ratio compares unlike drivers, and the output says
 
 Method. A pilot on the colocated server (one request, then a light load) gives its light-load TTFT
 and TPOT; the SLOs are multiples of those (printed; --ttft-slo/--tpot-slo override them), so the
-colocated server crosses 90% attainment near its knee. Each system then climbs one ladder of rates
-(doubling from a start the pilot picks, then one rate in the bracket where attainment crosses 90%),
-open loop with Poisson arrivals, until its attainment
-falls below 90%; goodput is where its attainment curve crosses 90% (pdrt.bench.goodput).
+colocated server crosses 90% attainment near its knee. Each system then climbs one ladder of rates,
+open loop with Poisson arrivals: doubling from a start the pilot picks until its attainment falls
+below 90%, then bisecting (geometric means) until the last rate that passed and the first that missed
+are within BRACKET of each other; goodput is where its attainment curve crosses 90%
+(pdrt.bench.goodput). Both pdrt servers are told the SLOs ([gateway] ttft_slo_s, tpot_slo_s), as a
+deployment serving for goodput would be, and get KV_CACHE_BYTES of KV pool per worker.
 Servers run one at a time, started and stopped by this script; --repeats runs the whole round again
-and the medians are reported.
+and the medians are reported. --systems and --parts measure a subset; --set passes node settings to
+the disaggregated server (to compare configurations).
 
 Interference (pdrt only, native protocol: exact lengths): TPOT p99 of a chat stream while a stream
 of long prompts (the summarization workload, near the 2048-token context) arrives, over TPOT p99 of
