@@ -25,7 +25,7 @@ import zmq.asyncio
 from pdrt.actors.loop import run
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
-from pdrt.node_config import NodeConfig, with_secrets
+from pdrt.node_config import WORKER_ROLES, NodeConfig, with_secrets
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ def _role(name: str) -> str:
 def take_priority(config: NodeConfig, name: str) -> None:
     """Set this process's niceness to its worker group's, where that differs from what it has."""
     role = _role(name)
-    if role in ("controller", "gateway"):
+    if role not in WORKER_ROLES:
         return
     nice = getattr(config, role).nice
     if os.getpriority(os.PRIO_PROCESS, 0) == nice:
