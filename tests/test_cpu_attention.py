@@ -36,7 +36,7 @@ def reference(query, k_blocks, v_blocks, tables, lengths, block_size, num_kv_hea
     return out
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 128), (8, 1, 8)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 128), (8, 1, 80)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_equals_sdpa_over_scattered_blocks_of_any_length(num_heads, num_kv_heads, head_dim, threads):
     rng = random.Random(num_heads * head_dim + threads)
@@ -61,6 +61,31 @@ def test_kernel_equals_sdpa_over_scattered_blocks_of_any_length(num_heads, num_k
         torch.set_num_threads(previous)
     expected = reference(query, k_blocks, v_blocks, tables, lengths, block_size, num_kv_heads)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_equals_sdpa_where_one_key_takes_nearly_all_the_weight():
+    """Scores far apart, so most weights fall below e^-87, where the kernel's exp flushes to zero."""
+    torch.manual_seed(0)
+    block_size, num_blocks, num_kv_heads, head_dim = 16, 64, 2, 64
+    lengths = [40, 700]
+    tables = [list(range(0, 3)), list(range(3, 3 + 44))]
+    padded = torch.tensor([t + [0] * (44 - len(t)) for t in tables])
+    k_blocks = torch.randn(num_blocks, block_size * num_kv_heads * head_dim) * 30
+    v_blocks = torch.randn(num_blocks, block_size * num_kv_heads * head_dim)
+    query = torch.randn(2, 6, head_dim) * 30
+    out = cpu_attention.load()(query, k_blocks, v_blocks, padded, torch.tensor(lengths), 700, block_size,
+                               num_kv_heads, head_dim ** -0.5)
+    expected = reference(query, k_blocks, v_blocks, tables, lengths, block_size, num_kv_heads)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_a_head_size_off_its_vector_width():
+    assert not cpu_attention.supports(torch.device("cpu"), torch.float32, 8)
+    query = torch.randn(1, 2, 8)
+    blocks = torch.randn(4, 16 * 2 * 8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_attention.load()(query, blocks, blocks, torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 3, 16, 2,
+                             1.0)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")

@@ -56,13 +56,15 @@ class PagedDecodeKernel:
         status = self.function(query.data_ptr(), k_blocks.data_ptr(), v_blocks.data_ptr(), block_tables.data_ptr(),
                                lengths.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
                                block_size, block_tables.shape[1], max_len, scale, torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"the decode-attention kernel needs head_dim a multiple of 16, got {head_dim}")
         if status != 0:
             raise MemoryError("the decode-attention kernel could not allocate its scratch memory")
         return out
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
 
 
 def _compiler() -> str | None:
