@@ -425,7 +425,7 @@ def main() -> None:
                         help="which systems climb the goodput ladder (comma-separated; default all three)")
     parser.add_argument("--parts", default="goodput,interference", help="goodput, interference, or both")
     parser.add_argument("--chat-rate", type=float, help="the interference chat stream's rate (default: 0.6x the "
-                                                        "colocated goodput); needed when goodput is not measured")
+                                                        "lower pdrt goodput); needed when goodput is not measured")
     parser.add_argument("--long-rate", type=float, help="the interference long prompts' rate (default: a third "
                                                         "of a core of prefill)")
     parser.add_argument("--no-borrow", action="store_true",
@@ -514,8 +514,12 @@ def main() -> None:
         goodputs["hf"].append(best[0])
         ladders.setdefault("hf", best[2])
 
-    # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in.
-    chat_rate = args.chat_rate or round(max(start_rate, 0.6 * statistics.median(goodputs["colocated"] or [0.0])), 3)
+    # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in: 0.6x the lower
+    # of their goodputs. (Until 2026-12-03 it was 0.6x colocated's, which on the tiny model put the chat stream
+    # alone above the disaggregated server's goodput in the rounds where that was the lower: overload, not
+    # interference.)
+    measured = [statistics.median(goodputs[name]) for name in ("colocated", "disaggregated") if goodputs[name]]
+    chat_rate = args.chat_rate or round(max(start_rate, 0.6 * min(measured, default=0.0)), 3)
     # Long prompts whose prefill keeps a core about a third busy, and never more than half the chat rate. The
     # pilot's long prompt ran on every core (colocated), so it cost about that many core-seconds. (Until
     # 2026-12-02 this divided by its TTFT alone, which on 2 cores put two thirds of a core of long prompts on
