@@ -250,6 +250,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
+        /* One allocation: num_heads rows of max_len scores, then num_heads inverse sums. */
         float *scores = malloc(sizeof(float) * num_heads * (max_len + 1));
         v16 *acc = malloc(sizeof(v16) * num_heads * (head_dim / 16));
         if (scores == NULL || acc == NULL)
