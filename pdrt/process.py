@@ -8,9 +8,11 @@ set in the environment (`PDRT_WARMUP_KEY`, `PDRT_API_KEY`: a systemd unit's
 EnvironmentFile) take the place of the JSON's. SIGTERM or
 SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
-controller's registry. A worker first takes the CPU priority of its group
-(`[prefill] nice`, ...), before any thread starts: Linux sets niceness per
-thread, and threads inherit it from the one that starts them.
+controller's registry. A worker takes the CPU priority of its group
+(`[prefill] nice`, ...) once its model has loaded, since the prefill
+worker's depends on the model's size (`[prefill] nice_min_params`): Linux
+keeps niceness per thread, so every thread started so far is reniced, and
+those started later inherit it from the one that starts them.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq.asyncio
@@ -25,7 +28,10 @@ import zmq.asyncio
 from pdrt.actors.loop import run
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
-from pdrt.node_config import WORKER_ROLES, NodeConfig, with_secrets
+from pdrt.node_config import NodeConfig, with_secrets
+
+if TYPE_CHECKING:
+    from pdrt.roles.engine_worker import EngineWorker
 
 log = structlog.get_logger(__name__)
 
@@ -38,19 +44,48 @@ def _role(name: str) -> str:
     return role
 
 
-def take_priority(config: NodeConfig, name: str) -> None:
-    """Set this process's niceness to its worker group's, where that differs from what it has."""
-    role = _role(name)
-    if role not in WORKER_ROLES:
-        return
-    nice = getattr(config, role).nice
-    if os.getpriority(os.PRIO_PROCESS, 0) == nice:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:  # lowering niceness needs CAP_SYS_NICE: run on as started
-        log.warning("cannot set the process's niceness", process=name, nice=nice,
-                    current=os.getpriority(os.PRIO_PROCESS, 0))
+def group_niceness(config: NodeConfig, role: str, num_params: int) -> int | None:
+    """The niceness a worker of `role` takes with a model of `num_params` parameters; None: the one it started with."""
+    if role == "prefill" and num_params < config.prefill.nice_min_params:
+        return None
+    return getattr(config, role).nice
+
+
+def _threads() -> list[int]:
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def take_priority(nice: int, name: str) -> None:
+    """Set the niceness of every thread of this process (Linux keeps one per thread)."""
+    for _ in range(3):  # again, for a thread that a thread started while the last pass ran
+        pending = [tid for tid in _threads() if os.getpriority(os.PRIO_PROCESS, tid) != nice]
+        if not pending:
+            return
+        for tid in pending:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:  # the thread has ended
+                pass
+            except PermissionError:  # lowering niceness needs CAP_SYS_NICE: run on as started
+                log.warning("cannot set the process's niceness", process=name, nice=nice,
+                            current=os.getpriority(os.PRIO_PROCESS, 0))
+                return
+
+
+def _worker(config: NodeConfig, name: str, role: str, incarnation: str, ctx: zmq.asyncio.Context,
+            run_id: str) -> "EngineWorker":
+    """The worker actor of `role`, its model loaded."""
+    if role == "prefill":
+        from pdrt.roles.prefill_worker import PrefillWorker
+
+        return PrefillWorker(config, name, incarnation, ctx, run_id)
+    if role == "decode":
+        from pdrt.roles.decode_worker import DecodeWorker
+
+        return DecodeWorker(config, name, incarnation, ctx, run_id)
+    from pdrt.roles.colocated_worker import ColocatedWorker
+
+    return ColocatedWorker(config, name, incarnation, ctx)
 
 
 async def serve(config: NodeConfig, name: str, run_id: str) -> None:
@@ -72,18 +107,12 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
             from pdrt.roles.gateway import Gateway
 
             await Gateway(config, name, incarnation, ctx).serve(stop)
-        elif role == "prefill":
-            from pdrt.roles.prefill_worker import PrefillWorker
-
-            await PrefillWorker(config, name, incarnation, ctx, run_id).serve(stop)
-        elif role == "decode":
-            from pdrt.roles.decode_worker import DecodeWorker
-
-            await DecodeWorker(config, name, incarnation, ctx, run_id).serve(stop)
         else:
-            from pdrt.roles.colocated_worker import ColocatedWorker
-
-            await ColocatedWorker(config, name, incarnation, ctx).serve(stop)
+            worker = _worker(config, name, role, incarnation, ctx, run_id)
+            nice = group_niceness(config, role, worker.engine.loaded.num_params)
+            if nice is not None:
+                take_priority(nice, name)
+            await worker.serve(stop)
     finally:
         ctx.destroy(linger=0)
     log.info("process stopped", process=name)
@@ -100,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         path = os.environ["PDRT_NODE_CONFIG"]
         with open(path, "rb") as f:
             config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY
-        take_priority(config, name)
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
     except KeyError:
         log.error("PDRT_NODE_CONFIG is not set; this process is started by `pdrt up`")

@@ -4,7 +4,8 @@ On this machine's cores, with one model and the chat workload of `pdrt bench`:
 
   (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
       borrowing the prefill worker's thread for the steps it runs while prefill idles, for models of
-      `[decode] borrow_min_params` or more (`--no-borrow`: never);
+      `[decode] borrow_min_params` or more (`--no-borrow`: never), and the prefill worker at nice 10 for
+      models of `[prefill] nice_min_params` or more;
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
   (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
       of the two is kept and named.

@@ -6,6 +6,7 @@ import pytest
 
 from pdrt.errors import ConfigError
 from pdrt.node_config import NodeConfig, load_node_config, with_secrets
+from pdrt.process import group_niceness
 
 DECODE_ONLY = """
 model = "/m"
@@ -90,3 +91,11 @@ def test_out_of_range_priorities_and_slowdowns_are_refused(tmp_path: Path, toml:
 def test_the_prefill_workers_yield_the_cpu_by_default_and_the_others_do_not(tmp_path: Path):
     config = load(tmp_path, 'model = "/m"\n[prefill]\ncount = 2')
     assert (config.prefill.nice, config.decode.nice, config.colocated.nice) == (10, 0, 0)
+
+
+def test_the_prefill_worker_of_a_model_below_nice_min_params_keeps_the_niceness_it_started_with():
+    config = NodeConfig(model="/m")
+    threshold = config.prefill.nice_min_params
+    assert group_niceness(config, "prefill", threshold) == 10
+    assert group_niceness(config, "prefill", threshold - 1) is None
+    assert group_niceness(config, "decode", 1) == 0 and group_niceness(config, "colocated", 1) == 0
