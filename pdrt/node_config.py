@@ -39,8 +39,9 @@ variables and then by command-line flags. Every table and key is optional:
     threads = 1
     nice = 10                                 # CPU priority of the process (0 for decode and colocated):
                                               # on shared cores, decode steps and the gateway go first
-    nice_min_params = 10_000_000              # models smaller than this keep the prefill worker at the
-                                              # niceness it was started with
+    catch_up_below_params = 10_000_000        # with a model smaller than this, the prefill worker yields
+    catch_up_wait = 0.25                      # only until a prompt has waited this fraction of ttft_slo_s
+                                              # to start, then runs at the niceness it was started with
 
     [decode]
     borrow_threads = true                     # on the CPU, each decode step also runs on the threads
@@ -147,9 +148,12 @@ class PrefillGroup(WorkerGroup):
     # the scheduler gives a runnable process of niceness 0 about ten times the CPU of one at 10.
     nice: int = 10
     # A smaller model's prompt takes milliseconds while its decode steps, bound by Python, keep a core busy:
-    # at nice 10 the prefill worker got what the decode worker, gateway and clients left, and TTFT broke
-    # first (the tiny test model's disaggregated goodput: 24 and 42 req/s at nice 10, 55 and 47 at 0).
-    nice_min_params: int = 10_000_000
+    # at nice 10 throughout, the prefill worker got what the decode worker, gateway and clients left, and TTFT
+    # broke first (the tiny test model's disaggregated goodput: 24 and 42 req/s at nice 10, 55 and 47 at 0);
+    # at nice 0 throughout, long prompts doubled the decode steps' TPOT p99. So it yields only while every
+    # prompt starts within catch_up_wait x [gateway] ttft_slo_s (pdrt/priority.py, CatchUp).
+    catch_up_below_params: int = 10_000_000
+    catch_up_wait: float = 0.25
 
 
 class DecodeGroup(WorkerGroup):
@@ -194,6 +198,8 @@ class NodeConfig(_Table):
         if not self.process_names():
             raise ConfigError("this node runs no process: enable the controller or the gateway, or give a worker "
                               "count")
+        if not 0 < self.prefill.catch_up_wait <= 1:
+            raise ConfigError(f"[prefill] catch_up_wait must be in (0, 1], got {self.prefill.catch_up_wait}")
         if self.gateway.local_prefill_max_tokens < 0 or self.gateway.local_prefill_queue_tokens < 0:
             raise ConfigError("[gateway] local_prefill_max_tokens and local_prefill_queue_tokens must be >= 0")
         if not self.gateway.local_prefill_max_slowdown >= 1.0:

@@ -10,9 +10,8 @@ SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
 controller's registry. A worker takes the CPU priority of its group
 (`[prefill] nice`, ...) once its model has loaded, since the prefill
-worker's depends on the model's size (`[prefill] nice_min_params`): Linux
-keeps niceness per thread, so every thread started so far is reniced, and
-those started later inherit it from the one that starts them.
+worker's depends on the model's size: below `[prefill]
+catch_up_below_params` it yields only while it keeps up (pdrt/priority.py).
 """
 
 import asyncio
@@ -29,6 +28,7 @@ from pdrt.actors.loop import run
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
 from pdrt.node_config import NodeConfig, with_secrets
+from pdrt.priority import CatchUp, take_priority
 
 if TYPE_CHECKING:
     from pdrt.roles.engine_worker import EngineWorker
@@ -44,32 +44,20 @@ def _role(name: str) -> str:
     return role
 
 
-def group_niceness(config: NodeConfig, role: str, num_params: int) -> int | None:
-    """The niceness a worker of `role` takes with a model of `num_params` parameters; None: the one it started with."""
-    if role == "prefill" and num_params < config.prefill.nice_min_params:
-        return None
-    return getattr(config, role).nice
+def catches_up(config: NodeConfig, role: str, num_params: int) -> bool:
+    """Whether a worker of `role` with a model of `num_params` parameters yields the CPU only while it keeps up."""
+    return role == "prefill" and num_params < config.prefill.catch_up_below_params
 
 
-def _threads() -> list[int]:
-    return [int(tid) for tid in os.listdir("/proc/self/task")]
+def _take_priority(config: NodeConfig, name: str, role: str, worker: "EngineWorker") -> None:
+    nice = getattr(config, role).nice
+    if catches_up(config, role, worker.engine.loaded.num_params):
+        from pdrt.roles.prefill_worker import PrefillWorker
 
-
-def take_priority(nice: int, name: str) -> None:
-    """Set the niceness of every thread of this process (Linux keeps one per thread)."""
-    for _ in range(3):  # again, for a thread that a thread started while the last pass ran
-        pending = [tid for tid in _threads() if os.getpriority(os.PRIO_PROCESS, tid) != nice]
-        if not pending:
-            return
-        for tid in pending:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except ProcessLookupError:  # the thread has ended
-                pass
-            except PermissionError:  # lowering niceness needs CAP_SYS_NICE: run on as started
-                log.warning("cannot set the process's niceness", process=name, nice=nice,
-                            current=os.getpriority(os.PRIO_PROCESS, 0))
-                return
+        assert isinstance(worker, PrefillWorker)
+        worker.catch_up = CatchUp(nice, config.prefill.catch_up_wait * config.gateway.ttft_slo_s, name)
+    else:
+        take_priority(nice, name)
 
 
 def _worker(config: NodeConfig, name: str, role: str, incarnation: str, ctx: zmq.asyncio.Context,
@@ -109,9 +97,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
             await Gateway(config, name, incarnation, ctx).serve(stop)
         else:
             worker = _worker(config, name, role, incarnation, ctx, run_id)
-            nice = group_niceness(config, role, worker.engine.loaded.num_params)
-            if nice is not None:
-                take_priority(nice, name)
+            _take_priority(config, name, role, worker)
             await worker.serve(stop)
     finally:
         ctx.destroy(linger=0)

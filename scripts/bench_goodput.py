@@ -5,7 +5,7 @@ On this machine's cores, with one model and the chat workload of `pdrt bench`:
   (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
       borrowing the prefill worker's thread for the steps it runs while prefill idles, for models of
       `[decode] borrow_min_params` or more (`--no-borrow`: never), and the prefill worker at nice 10 for
-      models of `[prefill] nice_min_params` or more;
+      models of `[prefill] catch_up_below_params` or more (below it: until a prompt waits too long);
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
   (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
       of the two is kept and named.
@@ -31,7 +31,8 @@ the disaggregated server (to compare configurations).
 Interference (pdrt only, native protocol: exact lengths): TPOT p99 of a chat stream while a stream
 of long prompts (the summarization workload, near the 2048-token context) arrives, over TPOT p99 of
 the same chat stream alone; for disaggregated and colocated. The two plans are merged by arrival
-time and the records split by index (pdrt.bench.run_rate with requests=...).
+time and the records split by index (pdrt.bench.run_rate with requests=...); alone and mixed
+alternate in slices of about SLICE_S seconds, and each pools its slices' records.
 
 The last line: `goodput disagg_vs_colocated=X disagg_vs_hf=Y interference_disagg=Z interference_colocated=W`.
 """
@@ -69,6 +70,10 @@ MIN_REQUESTS = 10  # per rate: at low rates, rate x duration is too few requests
 # The widest bracket of rates that goodput is interpolated over. Attainment is not linear in the rate: across a
 # bracket of 1.41 it fell from 100% to 19% (SmolLM2, disaggregated), so the 90% crossing needs a narrower one.
 BRACKET = 1.2
+# Interference runs alone and mixed in alternating slices of about this many seconds (the first of each pair
+# alternating too), so that the host's drift over minutes, which moved one TPOT p99 by 1.5x between runs a
+# few minutes apart, falls on both. (Until 2026-12-04 each ran whole, one after the other.)
+SLICE_S = 20.0
 
 
 @dataclass(slots=True)
@@ -275,35 +280,43 @@ async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
 
 async def interference(target: Target, settings: Settings, chat_rate: float, long_rate: float,
                        seed: int) -> dict:
-    """TPOT p99 of the chat stream with the long prompts mixed in, and alone."""
+    """TPOT p99 of the chat stream with the long prompts mixed in, and alone, in alternating slices."""
     driver, info = await _open(target)
     loose = Slo(600, 600)
+    num_slices = max(1, round(settings.interference_s / SLICE_S))
+    slice_s = settings.interference_s / num_slices
+    alone, mixed_chat, mixed_long, failed = [], [], [], 0
     try:
-        chat_options = options_for(settings, loose, seed, duration_s=settings.interference_s)
-        long_options = options_for(settings, loose, seed + 1, "summarization", duration_s=settings.interference_s)
-        limits: LengthLimits = chat_options.limits(info)
-        chat = plan(chat_options, chat_rate, limits)
-        long = plan(long_options, long_rate, limits)
-        merged = sorted([(t, s, True) for t, s in chat] + [(t, s, False) for t, s in long], key=lambda x: x[0])
-        alone = await run_rate(driver, info, chat_options, chat_rate, f"alone:{seed}")
-        await asyncio.sleep(1.0)
-        mixed = await run_rate(driver, info, chat_options, chat_rate, f"mixed:{seed}",
-                               requests=[(t, s) for t, s, _ in merged])
+        for i in range(num_slices):
+            slice_seed = seed + 1000 * i
+            chat_options = options_for(settings, loose, slice_seed, duration_s=slice_s)
+            long_options = options_for(settings, loose, slice_seed + 1, "summarization", duration_s=slice_s)
+            limits: LengthLimits = chat_options.limits(info)
+            chat = plan(chat_options, chat_rate, limits)
+            long = plan(long_options, long_rate, limits)
+            merged = sorted([(t, s, True) for t, s in chat] + [(t, s, False) for t, s in long], key=lambda x: x[0])
+            runs: dict[str, RateResult] = {}
+            for kind in ("alone", "mixed") if i % 2 == 0 else ("mixed", "alone"):
+                requests = chat if kind == "alone" else [(t, s) for t, s, _ in merged]
+                runs[kind] = await run_rate(driver, info, chat_options, chat_rate, f"{kind}:{slice_seed}",
+                                            requests=requests)
+                await asyncio.sleep(1.0)
+            is_chat = [c for _, _, c in merged]
+            alone += runs["alone"].records
+            mixed_chat += [r for r in runs["mixed"].records if is_chat[r.index]]
+            mixed_long += [r for r in runs["mixed"].records if not is_chat[r.index]]
+            failed += sum(not r.ok for r in runs["alone"].records + runs["mixed"].records)
     finally:
         await driver.close()
-    is_chat = [c for _, _, c in merged]
-    mixed_chat = [r for r in mixed.records if is_chat[r.index]]
-    mixed_long = [r for r in mixed.records if not is_chat[r.index]]
 
     def p99(records) -> float | None:
         return percentile([r.tpot_s for r in records if r.tpot_s is not None], 99)
 
-    alone_p99, mixed_p99 = p99(alone.records), p99(mixed_chat)
+    alone_p99, mixed_p99 = p99(alone), p99(mixed_chat)
     return {"tpot_p99_alone": alone_p99, "tpot_p99_mixed": mixed_p99,
             "ratio": mixed_p99 / alone_p99 if alone_p99 and mixed_p99 else float("nan"),
             "long_ttft_p50": percentile([r.ttft_s for r in mixed_long if r.ttft_s is not None], 50),
-            "num_long": len(mixed_long), "num_chat": len(mixed_chat),
-            "failed": sum(not r.ok for r in mixed.records) + sum(not r.ok for r in alone.records)}
+            "num_long": len(mixed_long), "num_chat": len(mixed_chat), "slices": num_slices, "failed": failed}
 
 
 def ms(value: float | None) -> str:

@@ -6,7 +6,7 @@ import pytest
 
 from pdrt.errors import ConfigError
 from pdrt.node_config import NodeConfig, load_node_config, with_secrets
-from pdrt.process import group_niceness
+from pdrt.process import catches_up
 
 DECODE_ONLY = """
 model = "/m"
@@ -82,7 +82,8 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
 
 
 @pytest.mark.parametrize("toml", ["[prefill]\nnice = 20", "[decode]\nnice = -21",
-                                  "[gateway]\nlocal_prefill_max_slowdown = 0.9"])
+                                  "[gateway]\nlocal_prefill_max_slowdown = 0.9", "[prefill]\ncatch_up_wait = 0",
+                                  "[prefill]\ncatch_up_wait = 1.5"])
 def test_out_of_range_priorities_and_slowdowns_are_refused(tmp_path: Path, toml: str):
     with pytest.raises(ConfigError):
         load(tmp_path, 'model = "/m"\n' + toml)
@@ -93,9 +94,8 @@ def test_the_prefill_workers_yield_the_cpu_by_default_and_the_others_do_not(tmp_
     assert (config.prefill.nice, config.decode.nice, config.colocated.nice) == (10, 0, 0)
 
 
-def test_the_prefill_worker_of_a_model_below_nice_min_params_keeps_the_niceness_it_started_with():
+def test_the_prefill_worker_of_a_model_below_catch_up_below_params_alone_catches_up():
     config = NodeConfig(model="/m")
-    threshold = config.prefill.nice_min_params
-    assert group_niceness(config, "prefill", threshold) == 10
-    assert group_niceness(config, "prefill", threshold - 1) is None
-    assert group_niceness(config, "decode", 1) == 0 and group_niceness(config, "colocated", 1) == 0
+    threshold = config.prefill.catch_up_below_params
+    assert catches_up(config, "prefill", threshold - 1) and not catches_up(config, "prefill", threshold)
+    assert not catches_up(config, "decode", 1) and not catches_up(config, "colocated", 1)

@@ -15,7 +15,7 @@ import pytest
 from pdrt.cli import main
 from pdrt.deploy import UnitOptions, render_units, resolved_config
 from pdrt.errors import ConfigError
-from pdrt.node_config import DecodeGroup, NodeConfig, WorkerGroup, load_node_config
+from pdrt.node_config import DecodeGroup, NodeConfig, PrefillGroup, WorkerGroup, load_node_config
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 NODE_A = """
@@ -173,13 +173,16 @@ def test_gpus_threads_pinning_and_memory_limits_go_to_workers_alone(tmp_path: Pa
 
 
 def test_a_decode_worker_that_borrows_threads_is_pinned_to_the_prefill_workers_cpus_too(tmp_path: Path):
-    config = NodeConfig(model="/m", prefill=WorkerGroup(count=2, threads=2), decode=DecodeGroup(count=1, threads=3))
+    config = NodeConfig(model="/m", prefill=PrefillGroup(count=2, threads=2), decode=DecodeGroup(count=1, threads=3))
     units = render_units(config, options(tmp_path, pin_cpus=True, num_cpus=8))
     assert [value(units[f"pdrt-{name}.service"], "CPUAffinity") for name in ("prefill-0", "prefill-1", "decode-0")] \
         == ["0-1", "2-3", "4-6 0-1 2-3"]
     config.decode.borrow_threads = False
     units = render_units(config, options(tmp_path, pin_cpus=True, num_cpus=8))
     assert value(units["pdrt-decode-0.service"], "CPUAffinity") == "4-6"
+    # A prefill worker may take back the niceness it yields (pdrt/priority.py, CatchUp); no other needs to.
+    assert [values(units[f"pdrt-{name}.service"], "LimitNICE") for name in ("prefill-0", "prefill-1", "decode-0")] \
+        == [["+0"], ["+0"], []]
     verify(write(units, tmp_path / "units"))
 
 

@@ -18,7 +18,8 @@ What a service says, and why:
   its own helpers) within TimeoutStopSec, the gateway's long enough for its
   drain; ExecStopPost then removes the process's leftover segments.
 * Limits: LimitNOFILE, TasksMax, and for workers an optional MemoryMax, an
-  optional CPUAffinity, OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES.
+  optional CPUAffinity, OMP_NUM_THREADS and CUDA_VISIBLE_DEVICES; prefill
+  workers LimitNICE=+0, to take back niceness 0 after yielding the CPU.
 * Hardening that leaves /dev/shm and GPUs usable: ProtectSystem=strict keeps
   the API file systems (/dev, /proc, /sys) writable, PrivateTmp, and no
   PrivateDevices= (it would hide /dev/nvidia*).
@@ -182,6 +183,8 @@ def render_service(config: NodeConfig, opts: UnitOptions, process: str) -> str:
             limits.append(f"MemoryMax={opts.memory_max}")
         if opts.pin_cpus:
             limits.append(f"CPUAffinity={cpu_sets(config, opts)[process]}")
+        if role == "prefill":  # it may return from [prefill] nice to the niceness it started with (CatchUp)
+            limits.append("LimitNICE=+0")
     stop_s = opts.stop_timeout_s + (config.gateway.drain_timeout_s if process == "gateway" else 0.0)
     restart = ["Restart=on-failure", f"RestartSec={_seconds(opts.restart_s)}", "RestartPreventExitStatus=2"]
     if opts.systemd_version >= RESTART_STEPS_SINCE:

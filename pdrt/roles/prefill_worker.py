@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from pdrt.engine.outputs import RequestOutput
 from pdrt.node_config import NodeConfig
+from pdrt.priority import CatchUp
 from pdrt.roles.engine_worker import EngineWorker
 from pdrt.transport import TransferBackend, make_source
 from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, KVAck, KVHandoff, PrefillRequest
@@ -44,6 +45,8 @@ class PrefillWorker(EngineWorker):
         self.lease_s = config.engine.kv_lease_s
         self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
+        self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
+        self.catch_up: CatchUp | None = None  # set by pdrt.process for a model that small
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):
@@ -57,6 +60,7 @@ class PrefillWorker(EngineWorker):
             self.draft_submitted(message)
         elif isinstance(message, Abort):
             self.drop_draft(message.request_id)
+            self.arrived.pop(message.request_id, None)
             if self.requests.pop(message.request_id, None) is not None:
                 self.reply_to.pop(message.request_id, None)
                 self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
@@ -67,12 +71,14 @@ class PrefillWorker(EngineWorker):
         rid = request.request_id
         self.requests[rid] = request
         self.reply_to[rid] = request.reply_to
+        self.arrived[rid] = time.monotonic()
 
         def add() -> None:
             try:
                 self.engine.add_prefill(rid, request.token_ids, request.params)
             except Exception:
                 self.requests.pop(rid, None)
+                self.arrived.pop(rid, None)
                 raise
 
         self.queue_op(rid, add)
@@ -87,6 +93,7 @@ class PrefillWorker(EngineWorker):
     def emit(self, outputs: list[RequestOutput]) -> None:
         super().emit(outputs)  # first tokens go to the gateways before any handoff
         for out in outputs:
+            self.arrived.pop(out.request_id, None)
             request = self.requests.pop(out.request_id, None)
             if request is None or out.kv_block_ids is None:
                 continue
@@ -112,6 +119,13 @@ class PrefillWorker(EngineWorker):
         for request_id in [rid for rid, deadline in self.held.items() if deadline < now]:
             log.warning("kv lease expired without an acknowledgement", request_id=request_id)
             self._release(request_id, acked=False)
+        if self.catch_up is not None:
+            self.catch_up.update(self._oldest_wait(now))
+
+    def _oldest_wait(self, now: float) -> float:
+        """Seconds the oldest admitted prompt not yet started has waited; 0 when none waits."""
+        waiting = [self.arrived[s.request_id] for s in self.engine.scheduler.waiting if s.request_id in self.arrived]
+        return now - min(waiting) if waiting else 0.0
 
     def close(self) -> None:
         self.source.close()

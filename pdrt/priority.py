@@ -1,0 +1,71 @@
+"""A worker's CPU priority: its niceness, set on every thread, and the prefill worker's catch-up.
+
+Linux keeps niceness per thread, so every thread started so far is reniced,
+and those started later inherit it from the one that starts them.
+"""
+
+import os
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def _threads() -> list[int]:
+    return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+
+def take_priority(nice: int, name: str) -> bool:
+    """Set the niceness of every thread of this process; False where lowering it is not permitted."""
+    for _ in range(3):  # again, for a thread that a thread started while the last pass ran
+        pending = [tid for tid in _threads() if os.getpriority(os.PRIO_PROCESS, tid) != nice]
+        if not pending:
+            return True
+        for tid in pending:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except ProcessLookupError:  # the thread has ended
+                pass
+            except PermissionError:  # lowering niceness needs CAP_SYS_NICE or RLIMIT_NICE: run on as it is
+                log.warning("cannot set the process's niceness", process=name, nice=nice,
+                            current=os.getpriority(os.PRIO_PROCESS, 0))
+                return False
+    return True
+
+
+class CatchUp:
+    """A prefill worker that yields the CPU while it keeps up and takes it back while it falls behind.
+
+    It runs at `yield_nice` while every submitted prompt starts within
+    `behind_s` of its arrival, and at the niceness it started with from the
+    moment one has waited longer until none has waited half as long. A
+    small model's decode steps, bound by Python, keep a core busy with the
+    gateway and clients on the other: at nice 10 throughout, the prefill
+    worker got what they left and TTFT broke first; at its starting
+    niceness throughout, it stretched decode steps whenever long prompts came.
+    """
+
+    def __init__(self, yield_nice: int, behind_s: float, name: str) -> None:
+        self.yield_nice = yield_nice
+        self.behind_s = behind_s
+        self.name = name
+        self.start_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.yielding = True
+        self.enabled = True  # False once returning to start_nice was refused
+        self.num_catch_ups = 0
+        take_priority(yield_nice, name)
+
+    def update(self, oldest_wait_s: float) -> None:
+        """After a step: `oldest_wait_s`, how long the oldest prompt not yet started has waited (0: none waits)."""
+        if not self.enabled:
+            return
+        if self.yielding and oldest_wait_s > self.behind_s:
+            if not take_priority(self.start_nice, self.name):
+                self.enabled = False
+                return
+            self.yielding = False
+            self.num_catch_ups += 1
+            log.debug("prefill worker catching up", waited_s=round(oldest_wait_s, 4), nice=self.start_nice)
+        elif not self.yielding and oldest_wait_s < self.behind_s / 2:
+            take_priority(self.yield_nice, self.name)
+            self.yielding = True

@@ -1,0 +1,57 @@
+"""CatchUp: the prefill worker's niceness follows how long its oldest prompt has waited, on every thread.
+
+Each case runs in a forked child, so the test process keeps its niceness.
+"""
+
+import multiprocessing
+import os
+import resource
+import threading
+from pathlib import Path
+
+from pdrt.priority import CatchUp
+
+
+def thread_niceness() -> set[int]:
+    """The niceness of every thread of this process."""
+    tasks = Path("/proc/self/task").iterdir()
+    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+
+
+def may_return_to(nice: int) -> bool:
+    """Whether this process may lower its niceness back to `nice` (CAP_SYS_NICE as root, else RLIMIT_NICE)."""
+    return os.geteuid() == 0 or 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] <= nice
+
+
+def walk_through_waits(results) -> None:
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, args=(10,))  # a thread started before: reniced with the rest
+    helper.start()
+    try:
+        catch_up = CatchUp(min(start + 10, 19), behind_s=0.1, name="test")
+        seen = [thread_niceness()]
+        for wait_s in (0.05, 0.2, 0.06, 0.04):  # under; over: catch up; above half: stay; under half: yield
+            catch_up.update(wait_s)
+            seen.append(thread_niceness())
+        results.put((start, seen, catch_up.num_catch_ups, catch_up.enabled))
+    finally:
+        stop.set()
+        helper.join()
+
+
+def test_the_prefill_worker_yields_until_a_prompt_waits_too_long_then_until_the_queue_has_caught_up():
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=walk_through_waits, args=(results,))
+    child.start()
+    start, seen, num_catch_ups, enabled = results.get(timeout=30)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    low = min(start + 10, 19)
+    if may_return_to(start):
+        assert seen == [{low}, {low}, {start}, {start}, {low}]
+        assert (num_catch_ups, enabled) == (1, True)
+    else:  # not permitted to take the CPU back: it stays yielding and stops trying
+        assert seen == [{low}] * 5
+        assert (num_catch_ups, enabled) == (0, False)
