@@ -1,5 +1,6 @@
 """A minimal raw client for system tests: speaks pdrt.wire directly, so the tests check the protocol itself."""
 
+import signal
 import time
 import urllib.request
 
@@ -98,3 +99,12 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def default_sigint() -> None:
+    """A Popen preexec_fn: Ctrl-C's default action in the child, even where this run ignores SIGINT.
+
+    A shell starts a background job (`pytest &`) with SIGINT ignored, its children inherit that, and
+    Python then installs no KeyboardInterrupt handler: a test's SIGINT would do nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -25,6 +25,7 @@ from pdrt.errors import (
 )
 from pdrt.testing.node import Node, free_port
 from pdrt.wire import PROTOCOL_VERSION, Error, Hello, Ready, client_reply_decoder, encode
+from tests.system_client import default_sigint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 ENDLESS = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)  # runs until cancelled
@@ -290,7 +291,8 @@ def test_pdrt_chat_at_a_terminal_streams_each_key_as_a_draft_and_answers_on_ente
 def start_pdrt(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
     return subprocess.Popen([sys.executable, "-m", "pdrt.cli", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=default_sigint)
 
 
 def test_pdrt_generate_and_pdrt_chat_print_the_streamed_answers(address):

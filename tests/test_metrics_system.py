@@ -13,7 +13,7 @@ from pdrt.metrics.exposition import samples, total
 from pdrt.metrics.status_table import CLEAR
 from pdrt.testing.node import Node, free_port
 from pdrt.wire import Cancel, Generate, Tokens
-from tests.system_client import RawClient, scrape
+from tests.system_client import RawClient, default_sigint, scrape
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -131,7 +131,7 @@ def test_pdrt_status_prints_the_table_once_and_refreshes_with_watch(node, served
     for expected in ("prefill-0", "decode-0", "SLO attainment:", "TTFT p50", "TPOT p50", "health: PSI", "KE 1.0000"):
         assert expected in once.stdout, once.stdout
     watching = subprocess.Popen([*command, "--watch", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 30
     output = ""
     while output.count(CLEAR) < 2 and time.monotonic() < deadline:
