@@ -3,6 +3,7 @@
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -108,3 +109,9 @@ def default_sigint() -> None:
     Python then installs no KeyboardInterrupt handler: a test's SIGINT would do nothing.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def niceness(pid: int) -> set[int]:
+    """The niceness of every thread of process `pid` (Linux keeps one per thread)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}

@@ -7,15 +7,9 @@ import multiprocessing
 import os
 import resource
 import threading
-from pathlib import Path
 
 from pdrt.priority import CatchUp
-
-
-def thread_niceness() -> set[int]:
-    """The niceness of every thread of this process."""
-    tasks = Path("/proc/self/task").iterdir()
-    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+from tests.system_client import niceness
 
 
 def may_return_to(nice: int) -> bool:
@@ -30,10 +24,10 @@ def walk_through_waits(results) -> None:
     helper.start()
     try:
         catch_up = CatchUp(min(start + 10, 19), behind_s=0.1, name="test")
-        seen = [thread_niceness()]
+        seen = [niceness(os.getpid())]
         for wait_s in (0.05, 0.2, 0.06, 0.04):  # under; over: catch up; above half: stay; under half: yield
             catch_up.update(wait_s)
-            seen.append(thread_niceness())
+            seen.append(niceness(os.getpid()))
         results.put((start, seen, catch_up.num_catch_ups, catch_up.enabled))
     finally:
         stop.set()

@@ -20,7 +20,7 @@ from pdrt.wire import (
     Hello,
     Tokens,
 )
-from tests.system_client import RawClient, used_blocks, wait_for
+from tests.system_client import RawClient, niceness, used_blocks, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -108,12 +108,6 @@ def test_one_request_id_follows_a_request_through_the_logs_of_every_process(node
     request_id = routed[-1]["request_id"]
     processes = {ln["process"] for ln in lines if ln.get("request_id") == request_id}
     assert {"gateway", "prefill-0", "decode-0"} <= processes
-
-
-def niceness(pid: int) -> set[int]:
-    """The niceness of every thread of process `pid` (Linux keeps one per thread)."""
-    tasks = Path(f"/proc/{pid}/task").iterdir()
-    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
 
 
 def test_the_prefill_worker_and_every_thread_it_has_yield_the_cpu_to_the_other_processes(node, client, prompts):
