@@ -44,6 +44,9 @@ variables and then by command-line flags. Every table and key is optional:
                                               # to start, then runs at the niceness it was started with
 
     [decode]
+    own_cores = false                         # true: on the CPU (disaggregated), each decode worker
+                                              # runs on `threads` cores of its own, the node's other
+                                              # processes on the rest (pdrt/cpu_placement.py)
     borrow_threads = true                     # on the CPU, each decode step also runs on the threads
                                               # of this run's prefill workers that are idle then
     borrow_min_params = 10_000_000            # models smaller than this never borrow
@@ -157,6 +160,10 @@ class PrefillGroup(WorkerGroup):
 
 
 class DecodeGroup(WorkerGroup):
+    # A decode worker under load steps without pause, and a core shared with prefill, the gateway and clients
+    # stretches its steps; but on a host of few cores, the rest is too small for prefill and the gateway
+    # together (pdrt/cpu_placement.py has the numbers), so it is not the default.
+    own_cores: bool = False
     borrow_threads: bool = True  # pdrt/roles/thread_ledger.py
     # A smaller model's step is bound by Python, not arithmetic: a second thread only adds OpenMP's wake-ups
     # and spinning on the core that prefill, the gateway and clients need (measured with the tiny test model

@@ -5,6 +5,7 @@ and those started later inherit it from the one that starts them.
 """
 
 import os
+import time
 
 import structlog
 
@@ -53,7 +54,14 @@ class CatchUp:
         self.yielding = True
         self.enabled = True  # False once returning to start_nice was refused
         self.num_catch_ups = 0
+        self._caught_up_s = 0.0  # in catch-ups that have ended
+        self._caught_up_at = 0.0  # time.monotonic() when the current one began
         take_priority(yield_nice, name)
+
+    @property
+    def caught_up_s(self) -> float:
+        """Seconds spent catching up so far, the current catch-up included."""
+        return self._caught_up_s + (0.0 if self.yielding else time.monotonic() - self._caught_up_at)
 
     def update(self, oldest_wait_s: float) -> None:
         """After a step: `oldest_wait_s`, how long the oldest prompt not yet started has waited (0: none waits)."""
@@ -65,7 +73,9 @@ class CatchUp:
                 return
             self.yielding = False
             self.num_catch_ups += 1
+            self._caught_up_at = time.monotonic()
             log.debug("prefill worker catching up", waited_s=round(oldest_wait_s, 4), nice=self.start_nice)
         elif not self.yielding and oldest_wait_s < self.behind_s / 2:
             take_priority(self.yield_nice, self.name)
             self.yielding = True
+            self._caught_up_s += time.monotonic() - self._caught_up_at

@@ -12,6 +12,8 @@ controller's registry. A worker takes the CPU priority of its group
 (`[prefill] nice`, ...) once its model has loaded, since the prefill
 worker's depends on the model's size: below `[prefill]
 catch_up_below_params` it yields only while it keeps up (pdrt/priority.py).
+On a disaggregated CPU node each decode worker runs on cores of its own and
+every other process on the rest (`[decode] own_cores`, pdrt/cpu_placement.py).
 """
 
 import asyncio
@@ -25,6 +27,7 @@ import structlog
 import zmq.asyncio
 
 from pdrt.actors.loop import run
+from pdrt.cpu_placement import allowed_cores, cores_for, pin
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
 from pdrt.node_config import NodeConfig, with_secrets
@@ -55,9 +58,16 @@ def _take_priority(config: NodeConfig, name: str, role: str, worker: "EngineWork
         from pdrt.roles.prefill_worker import PrefillWorker
 
         assert isinstance(worker, PrefillWorker)
-        worker.catch_up = CatchUp(nice, config.prefill.catch_up_wait * config.gateway.ttft_slo_s, name)
+        behind_s = config.prefill.catch_up_wait * config.gateway.ttft_slo_s
+        worker.catch_up = worker.metrics.catch_up = CatchUp(nice, behind_s, name)
     else:
         take_priority(nice, name)
+
+
+def _place(config: NodeConfig, name: str, borrows: bool = False) -> None:
+    cores = cores_for(config, name, allowed_cores(), borrows)
+    if cores is not None:
+        pin(cores, name)
 
 
 def _worker(config: NodeConfig, name: str, role: str, incarnation: str, ctx: zmq.asyncio.Context,
@@ -86,6 +96,8 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
     role = _role(name)
     if role != "controller":
         quiet_transformers()
+    if role in ("controller", "gateway"):
+        _place(config, name)
     try:
         if role == "controller":
             from pdrt.control_plane.controller import Controller
@@ -97,6 +109,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
             await Gateway(config, name, incarnation, ctx).serve(stop)
         else:
             worker = _worker(config, name, role, incarnation, ctx, run_id)
+            _place(config, name, borrows=worker.ledger is not None and worker.ledger.borrow)
             _take_priority(config, name, role, worker)
             await worker.serve(stop)
     finally:

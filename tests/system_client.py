@@ -1,5 +1,6 @@
 """A minimal raw client for system tests: speaks pdrt.wire directly, so the tests check the protocol itself."""
 
+import os
 import signal
 import time
 import urllib.request
@@ -115,3 +116,8 @@ def niceness(pid: int) -> set[int]:
     """The niceness of every thread of process `pid` (Linux keeps one per thread)."""
     tasks = Path(f"/proc/{pid}/task").iterdir()
     return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in tasks}
+
+
+def allowed_cpus(pid: int) -> set[frozenset[int]]:
+    """The cores each thread of process `pid` may run on (Linux keeps an affinity per thread)."""
+    return {frozenset(os.sched_getaffinity(int(task.name))) for task in Path(f"/proc/{pid}/task").iterdir()}

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import resource
 import threading
+import time
 
 from pdrt.priority import CatchUp
 from tests.system_client import niceness
@@ -24,11 +25,15 @@ def walk_through_waits(results) -> None:
     helper.start()
     try:
         catch_up = CatchUp(min(start + 10, 19), behind_s=0.1, name="test")
-        seen = [niceness(os.getpid())]
+        seen, caught_up_s = [niceness(os.getpid())], []
         for wait_s in (0.05, 0.2, 0.06, 0.04):  # under; over: catch up; above half: stay; under half: yield
             catch_up.update(wait_s)
             seen.append(niceness(os.getpid()))
-        results.put((start, seen, catch_up.num_catch_ups, catch_up.enabled))
+            time.sleep(0.02)
+            caught_up_s.append(catch_up.caught_up_s)
+        time.sleep(0.02)
+        caught_up_s.append(catch_up.caught_up_s)  # yielding again: it stays
+        results.put((start, seen, catch_up.num_catch_ups, catch_up.enabled, caught_up_s))
     finally:
         stop.set()
         helper.join()
@@ -39,13 +44,14 @@ def test_the_prefill_worker_yields_until_a_prompt_waits_too_long_then_until_the_
     results = ctx.Queue()
     child = ctx.Process(target=walk_through_waits, args=(results,))
     child.start()
-    start, seen, num_catch_ups, enabled = results.get(timeout=30)
+    start, seen, num_catch_ups, enabled, caught_up_s = results.get(timeout=30)
     child.join(timeout=30)
     assert child.exitcode == 0
     low = min(start + 10, 19)
     if may_return_to(start):
         assert seen == [{low}, {low}, {start}, {start}, {low}]
         assert (num_catch_ups, enabled) == (1, True)
+        assert caught_up_s[0] == 0 and 0.02 <= caught_up_s[1] < caught_up_s[2] <= caught_up_s[3] == caught_up_s[4]
     else:  # not permitted to take the CPU back: it stays yielding and stops trying
         assert seen == [{low}] * 5
-        assert (num_catch_ups, enabled) == (0, False)
+        assert (num_catch_ups, enabled, caught_up_s) == (0, False, [0.0] * 5)

@@ -20,14 +20,15 @@ from pdrt.wire import (
     Hello,
     Tokens,
 )
-from tests.system_client import RawClient, niceness, used_blocks, wait_for
+from tests.system_client import RawClient, allowed_cpus, niceness, used_blocks, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
 def node(model_dirs, tmp_path_factory):
-    with Node(tmp_path_factory.mktemp("node"), str(model_dirs["llama"])) as running:
+    with Node(tmp_path_factory.mktemp("node"), str(model_dirs["llama"]), extra={"decode": {"own_cores": True}}) \
+            as running:
         yield running
 
 
@@ -117,6 +118,18 @@ def test_the_prefill_worker_and_every_thread_it_has_yield_the_cpu_to_the_other_p
     assert niceness(pids["prefill-0"]) == {10}
     others = {name: niceness(pids[name]) for name in ("controller", "gateway", "decode-0")}
     assert all(values == {os.getpriority(os.PRIO_PROCESS, 0)} for values in others.values()), others
+
+
+def test_the_decode_worker_runs_on_a_core_of_its_own_and_every_other_process_on_the_rest(node, client, prompts):
+    assert client.generate_many([prompts[2]], GREEDY)["r0"]  # every worker's engine and OpenMP threads run
+    allowed = sorted(os.sched_getaffinity(0))
+    threads = max(1, (os.cpu_count() or 1) // 2)  # each worker's default: the cores split evenly between the two
+    # the prefill worker's share first (start order), then the decode worker's, where both fit
+    own, rest = (allowed[threads:2 * threads], allowed[:threads] + allowed[2 * threads:]) \
+        if 2 * threads <= len(allowed) else (allowed, allowed)
+    cores = {name: allowed_cpus(pid) for name, pid in node.child_pids().items()}
+    assert cores == {"decode-0": {frozenset(own)}, "prefill-0": {frozenset(rest)}, "gateway": {frozenset(rest)},
+                     "controller": {frozenset(rest)}}
 
 
 def test_kill_9_of_the_decode_worker_ends_its_requests_within_5_s_and_it_is_restarted(node, client, prompts,

@@ -285,13 +285,13 @@ class AsyncClient:
     async def _read(self) -> None:
         assert self._socket is not None
         while True:
-            frame = await self._socket.recv()
-            try:
-                reply = client_reply_decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("dropped a frame from the server that does not decode", error=str(exc))
-                continue
-            self._dispatch(reply)
+            for frame in await self._socket.recv_multipart():  # the replies of one worker step come together
+                try:
+                    reply = client_reply_decoder.decode(frame)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("dropped a frame from the server that does not decode", error=str(exc))
+                    continue
+                self._dispatch(reply)
 
     def _dispatch(self, reply: Ready | Tokens | Error | Status) -> None:
         if isinstance(reply, Error) and reply.code == "handshake_required":

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pdrt.cpu_placement import worker_cores
 from pdrt.errors import ConfigError
 from pdrt.node_config import ENVIRONMENT, SECRET_ENVIRONMENT, NodeConfig
 
@@ -126,21 +127,20 @@ def secrets_in(config: NodeConfig) -> list[str]:
 
 
 def cpu_sets(config: NodeConfig, opts: UnitOptions) -> dict[str, str]:
-    """Worker -> "first-last" (or "cpu"): consecutive CPUs in start order, as many as its torch threads.
+    """Worker -> its CPUs, as `[decode] own_cores` places them (pdrt/cpu_placement.py): consecutive ones in
+    start order, as many as its torch threads.
 
     A decode worker that borrows the threads of idle prefill workers (`[decode] borrow_threads`, CPU
     engines) may also run on their CPUs: its set lists theirs after its own.
     """
-    sets, first = {}, 0
-    for name in worker_names(config):
-        n = config.threads_for(_role(name))
-        if first + n > opts.num_cpus:
-            raise ConfigError(f"pinning needs {first + n} CPUs by {name}; this host has {opts.num_cpus} "
-                              "(lower [prefill]/[decode] threads or drop --pin-cpus)")
-        sets[name] = f"{first}-{first + n - 1}" if n > 1 else str(first)
-        first += n
+    shares = worker_cores(config, list(range(opts.num_cpus)))
+    if shares is None:
+        needed = sum(config.threads_for(_role(name)) for name in worker_names(config))
+        raise ConfigError(f"pinning needs {needed} CPUs; this host has {opts.num_cpus} "
+                          "(lower [prefill]/[decode] threads or drop --pin-cpus)")
+    sets = {name: f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]) for name, cpus in shares.items()}
     if config.decode.borrow_threads and config.engine.device == "cpu":
-        lent = [cpus for name, cpus in sets.items() if _role(name) == "prefill"]
+        lent = [sets[name] for name in sets if _role(name) == "prefill"]
         for name in [name for name in sets if _role(name) == "decode"]:
             sets[name] = " ".join([sets[name], *lent])
     return sets

@@ -27,6 +27,7 @@ from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.scheduler import ScheduledBatch
 from pdrt.metrics.health import DS_WINDOW, PSI_WINDOW, decoding_smoothness, prefill_stability
 from pdrt.metrics.process_metrics import install, new_registry
+from pdrt.priority import CatchUp
 from pdrt.wire import Load
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, float("inf"))
@@ -54,6 +55,7 @@ class WorkerMetrics:
         self.recent_steps: deque[tuple[float, bool]] = deque(maxlen=RECENT_STEPS)  # (seconds, prefilled too)
         self.prefill_times: deque[float] = deque(maxlen=PSI_WINDOW)
         self.prefill_started: dict[str, float] = {}  # request id -> perf_counter of its first chunk's step
+        self.catch_up: CatchUp | None = None  # a prefill worker's, where it catches up (pdrt.process)
         if role in PREFILLING_ROLES:
             self.prefill_seconds = Histogram("pdrt_worker_prefill_seconds", "First chunk scheduled -> first token, "
                                              "per request", buckets=PREFILL_BUCKETS, registry=r)
@@ -168,6 +170,12 @@ class _EngineCollector:
         if m.role in PREFILLING_ROLES:
             yield GaugeMetricFamily("pdrt_health_psi", "Prefill stability: mean/std of recent prefill times "
                                     "(target > 8)", value=prefill_stability(m.prefill_times))
+        if m.catch_up is not None:
+            yield CounterMetricFamily("pdrt_prefill_catch_ups", "Times the prefill worker took its starting "
+                                      "niceness back because a prompt waited too long to start",
+                                      value=m.catch_up.num_catch_ups)
+            yield CounterMetricFamily("pdrt_prefill_caught_up_seconds", "Seconds the prefill worker ran at its "
+                                      "starting niceness, catching up", value=m.catch_up.caught_up_s)
         if m.role in ("decode", "colocated"):
             yield GaugeMetricFamily("pdrt_health_ds", "Decoding smoothness: std/mean of the last 10 decode step "
                                     "latencies (target < 0.15)", value=decoding_smoothness(m.decode_steps))

@@ -9,8 +9,9 @@ Life cycle of a request in the gateway:
    checked against the context, then routed: a prefill and a decode worker
    (or one colocated worker) picked from the controller's view; with no live
    worker the request waits in `unrouted` until one appears or it times out;
-3. worker outputs (`StepOutputs`) are detokenized and streamed to the client;
-   the request ends with a finished `Tokens` frame or an `Error`;
+3. worker outputs (`StepOutputs`) are detokenized and streamed to the client,
+   the frames of one worker step for one client as the parts of one ZeroMQ
+   message; the request ends with a finished `Tokens` frame or an `Error`;
 4. a lost worker: requests that have produced no token yet are sent again
    (a new attempt, so late outputs of the old one are ignored); the others
    end with `Error("worker_lost")`. Every request has a deadline.
@@ -124,7 +125,7 @@ class Gateway(Actor):
         self.warmups = Warmups(config.warmup, self.tokenizer, self.max_model_len, self.router, self.outbox, role,
                                self._new_id, self.counters)
         self.table = RequestTable(config.gateway, self.tokenizer, self.router, self.outbox, self.inbox.address, role,
-                                  self.drafts, self.warmups, self._reply, process_id)
+                                  self.drafts, self.warmups, self._reply_all, process_id)
         self.warmup_listener: WarmupListener | None = None
         if config.warmup.key:
             guard = WarmupGuard(config.warmup.key.encode(), self.model_name, config.warmup.max_age_s)
@@ -162,12 +163,17 @@ class Gateway(Actor):
         return await self._ref.ask(("http", message), HTTP_ASK_TIMEOUT_S)
 
     def _reply(self, identity: bytes, message: msgspec.Struct) -> None:
+        self._reply_all(identity, [message])
+
+    def _reply_all(self, identity: bytes, messages: list[msgspec.Struct]) -> None:
+        """Send a client its messages, each a frame of one ZeroMQ message (a client reads them one by one)."""
         if identity == HTTP_IDENTITY:
             assert self.http is not None
-            self.http.deliver(message)
+            for message in messages:
+                self.http.deliver(message)
             return
         try:
-            self.clients.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+            self.clients.send_multipart([identity, *map(encode, messages)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client left, or stopped reading
             if identity not in self.gone_clients:
                 log.info("client unreachable; ending its requests", error=str(exc))
