@@ -75,11 +75,17 @@ def allowed_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def _affinity(tid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(tid)
+    except ProcessLookupError:  # the thread has ended
+        return None
+
+
 def pin(cores: list[int], name: str) -> None:
     """Run every thread of this process on `cores`; threads started later inherit it from their starter."""
     for _ in range(3):  # again, for a thread that a thread started while the last pass ran
-        pending = [int(tid) for tid in os.listdir("/proc/self/task")
-                   if os.sched_getaffinity(int(tid)) != set(cores)]
+        pending = [tid for tid in map(int, os.listdir("/proc/self/task")) if _affinity(tid) != set(cores)]
         if not pending:
             break
         for tid in pending:
