@@ -30,13 +30,9 @@ import os
 
 import structlog
 
-from pdrt.node_config import NodeConfig
+from pdrt.node_config import NodeConfig, role_of
 
 log = structlog.get_logger(__name__)
-
-
-def _role(name: str) -> str:
-    return name.split("-", 1)[0]
 
 
 def worker_cores(config: NodeConfig, allowed: list[int]) -> dict[str, list[int]] | None:
@@ -46,7 +42,7 @@ def worker_cores(config: NodeConfig, allowed: list[int]) -> dict[str, list[int]]
     for name in config.process_names():
         if name in ("controller", "gateway"):
             continue
-        n = config.threads_for(_role(name))
+        n = config.threads_for(role_of(name))
         if first + n > len(allowed):
             return None
         cores[name], first = allowed[first:first + n], first + n
@@ -60,13 +56,13 @@ def cores_for(config: NodeConfig, name: str, allowed: list[int], borrows: bool =
     shares = worker_cores(config, allowed)
     if shares is None:
         return None
-    decode = {core for worker, cores in shares.items() if _role(worker) == "decode" for core in cores}
+    decode = {core for worker, cores in shares.items() if role_of(worker) == "decode" for core in cores}
     rest = [core for core in allowed if core not in decode]
     if not decode or not rest:
         return None
-    if _role(name) != "decode":
+    if role_of(name) != "decode":
         return rest
-    lent = [core for worker, cores in shares.items() if _role(worker) == "prefill" for core in cores]
+    lent = [core for worker, cores in shares.items() if role_of(worker) == "prefill" for core in cores]
     return shares[name] + lent if borrows else shares[name]
 
 

@@ -171,6 +171,11 @@ class DecodeGroup(WorkerGroup):
     borrow_min_params: int = 10_000_000
 
 
+def role_of(process: str) -> str:
+    """The role of a process name of `NodeConfig.process_names` ("decode-b-0" -> "decode")."""
+    return process.split("-", 1)[0]
+
+
 class NodeConfig(_Table):
     model: str = ""
     host: str = "127.0.0.1"

@@ -30,7 +30,7 @@ from pdrt.actors.loop import run
 from pdrt.cpu_placement import allowed_cores, cores_for, pin
 from pdrt.errors import ConfigError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
-from pdrt.node_config import NodeConfig, with_secrets
+from pdrt.node_config import NodeConfig, role_of, with_secrets
 from pdrt.priority import CatchUp, take_priority
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 
 
 def _role(name: str) -> str:
-    role = name.split("-", 1)[0]
+    role = role_of(name)
     if role not in ("controller", "gateway", "prefill", "decode", "colocated"):
         raise ConfigError(f"unknown process {name!r}: expected controller, gateway, prefill-N, decode-N or "
                           "colocated-N")
