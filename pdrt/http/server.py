@@ -45,6 +45,8 @@ log = structlog.get_logger(__name__)
 HTTP_IDENTITY = b"\x00http"  # the client identity of everything that comes in over HTTP
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 8 << 20
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,16 +175,17 @@ class HttpFront:
                     return web.json_response(exc.body, status=exc.status, headers=ids)
                 ended = True
                 return out
-            while True:
-                frame = await asyncio.wait_for(queue.get(), self.wait_s)
-                if isinstance(frame, Error):
-                    ended = True
-                    status, body = error_body(frame.code, frame.message)
-                    return web.json_response(body, status=status, headers=ids)
-                response.add(frame)
-                if frame.finished:
-                    ended = True
-                    return web.json_response(response.body(), headers=ids)
+            async with asyncio.timeout(self.wait_s):
+                while True:
+                    frame = await queue.get()
+                    if isinstance(frame, Error):
+                        ended = True
+                        status, body = error_body(frame.code, frame.message)
+                        return web.json_response(body, status=status, headers=ids)
+                    response.add(frame)
+                    if frame.finished:
+                        ended = True
+                        return web.json_response(response.body(), headers=ids)
         finally:
             self.queues.pop(message.request_id, None)
             if not ended:  # the client went away (or the wait gave up): free the request's KV
@@ -190,34 +193,45 @@ class HttpFront:
 
     async def _stream(self, request: web.Request, queue: asyncio.Queue[Tokens | Error], response: Response,
                       usage: bool, headers: dict[str, str]) -> web.StreamResponse:
-        """Send server-sent events until the request ends (finished, or failed after its first token)."""
-        frame = await asyncio.wait_for(queue.get(), self.wait_s)  # an early error still gets its status code
-        if isinstance(frame, Error):
-            status, body = error_body(frame.code, frame.message)
-            raise _HttpError(status, body)
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                          **headers})
-        await out.prepare(request)
-        first = response.first_chunk()
-        if first is not None:
-            await _event(out, first)
-        while True:
+        """Send server-sent events until the request ends (finished, or failed after its first token).
+
+        One deadline covers the whole request (a `wait_for` per frame would
+        make a Task per token), and the frames that queued while this
+        handler waited for the loop go out in one write.
+        """
+        async with asyncio.timeout(self.wait_s):
+            frame = await queue.get()  # an early error still gets its status code
             if isinstance(frame, Error):
-                await _event(out, error_body(frame.code, frame.message)[1])
-                await out.write(b"data: [DONE]\n\n")
-                await out.write_eof()
-                return out
-            response.add(frame)
-            chunk = response.chunk(frame)
-            if chunk is not None:
-                await _event(out, chunk)
-            if frame.finished:
-                if usage:
-                    await _event(out, response.usage_chunk())
-                await out.write(b"data: [DONE]\n\n")
-                await out.write_eof()
-                return out
-            frame = await asyncio.wait_for(queue.get(), self.wait_s)
+                status, body = error_body(frame.code, frame.message)
+                raise _HttpError(status, body)
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                              **headers})
+            await out.prepare(request)
+            first = response.first_chunk()
+            events = [] if first is None else [_event(first)]
+            while True:
+                if isinstance(frame, Error):
+                    events += [_event(error_body(frame.code, frame.message)[1]), DONE]
+                    break
+                response.add(frame)
+                chunk = response.chunk(frame)
+                if chunk is not None:
+                    events.append(_event(chunk))
+                if frame.finished:
+                    if usage:
+                        events.append(_event(response.usage_chunk()))
+                    events.append(DONE)
+                    break
+                if queue.empty():
+                    if events:
+                        await out.write(b"".join(events))
+                        events = []
+                    frame = await queue.get()
+                else:
+                    frame = queue.get_nowait()
+            await out.write(b"".join(events))
+            await out.write_eof()
+            return out
 
     # -- type-ahead and warmup ------------------------------------------------------------
 
@@ -281,5 +295,6 @@ class _HttpError(Exception):
         self.status, self.body = status, body
 
 
-async def _event(out: web.StreamResponse, payload: dict) -> None:
-    await out.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+def _event(payload: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + _encode(payload) + b"\n\n"
