@@ -195,9 +195,10 @@ class HttpFront:
                       usage: bool, headers: dict[str, str]) -> web.StreamResponse:
         """Send server-sent events until the request ends (finished, or failed after its first token).
 
-        One deadline covers the whole request (a `wait_for` per frame would
-        make a Task per token), and the frames that queued while this
-        handler waited for the loop go out in one write.
+        One deadline covers the whole request, as the gateway's own does (on
+        Python 3.11 a `wait_for` per frame makes a Task per token), and the
+        frames that queued while this handler waited for the loop go out in
+        one write.
         """
         async with asyncio.timeout(self.wait_s):
             frame = await queue.get()  # an early error still gets its status code
