@@ -17,7 +17,7 @@ greedy outputs are the same, do the same work; the mean output length of each is
 then the pdrt-vs-transformers ratio compares unlike drivers, and the output says so.
 
 Method. A pilot on the colocated server (one request, then a light load) gives its light-load TTFT
-and TPOT; the SLOs are multiples of those (printed; --ttft-slo/--tpot-slo override them), so the
+p90 and TPOT p50; the SLOs are multiples of those (printed; --ttft-slo/--tpot-slo override them), so the
 colocated server crosses 90% attainment near its knee. Each system then climbs one ladder of rates,
 open loop with Poisson arrivals: doubling from a start the pilot picks until its attainment falls
 below 90%, then bisecting (geometric means) until the last rate that passed and the first that missed
@@ -268,13 +268,15 @@ async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
                               "pilot-long")
     finally:
         await driver.close()
-    ttft, tpot = light.summary.ttft.p90, light.summary.tpot.p90
+    ttft, tpot = light.summary.ttft.p90, light.summary.tpot.p50
     # The colocated server's knee: TTFT within a few prefill times and TPOT within 2.5x its unloaded step,
     # which its prefill chunks break first as load rises (DistServe sets its SLOs the same way, as
-    # multiples of light-load latency).
+    # multiples of light-load latency). The step is the light load's median TPOT: its p90, of a few
+    # requests, is the slowest one or two, and on a noisy host one slow moment then set a TPOT SLO of 4x
+    # the step (docs/benchmarks.md, 2026-12-04).
     slo = Slo(round(4 * ttft, 3), round(2.5 * tpot, 4))
     log(f"pilot: one chat request e2e {ms(e2e)}; light load ({light_rate:.2g} req/s) TTFT p90 {ms(ttft)}, "
-        f"TPOT p90 {ms(tpot)}; one long prompt TTFT {ms(long.summary.ttft.p50)}")
+        f"TPOT p50 {ms(tpot)} (p90 {ms(light.summary.tpot.p90)}); one long prompt TTFT {ms(long.summary.ttft.p50)}")
     return slo, light_rate, long.summary.ttft.p50 or 1.0
 
 
