@@ -52,6 +52,8 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from transformers.utils.import_utils import is_serve_available
+
 from pdrt.bench import BenchOptions, RateResult, Slo, Target, goodput, make_driver, percentile, plan, run_rate
 from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
@@ -457,6 +459,9 @@ def main() -> None:
         parser.error("--systems takes colocated, disaggregated, hf; --parts goodput, interference")
     if "goodput" not in parts and not args.chat_rate:
         parser.error("--chat-rate is needed when goodput is not measured")
+    if "hf" in systems and "goodput" in parts and not is_serve_available():
+        parser.error("transformers serve needs its serving extras: pip install -e '.[bench]' "
+                     "(or --systems colocated,disaggregated)")
     overrides = parse_settings(args.set, parser)
     settings = replace(QUICK if args.quick else FULL)
     if args.repeats:
