@@ -119,6 +119,34 @@ def test_prefill_then_imported_decode_equals_colocated(make_engine, references, 
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
 
 
+def _first_tokens(engine, prompts):
+    """Prefill-only `prompts`, queued at once: for each, the tokens computed until its first token came, and it."""
+    for i, prompt in enumerate(prompts):
+        engine.add_prefill(f"p{i}", prompt, GREEDY)
+    came: dict[str, tuple[int, list[int]]] = {}
+    computed = 0
+    while len(came) < len(prompts):
+        outputs = engine.step()
+        batch = engine.last_batch
+        computed += len(batch.decodes) + sum(n for _, n in batch.prefills)
+        for out in outputs:
+            came[out.request_id] = (computed, out.new_token_ids)
+    return [came[f"p{i}"] for i in range(len(prompts))]
+
+
+def test_prompts_one_by_one_come_out_in_order_and_short_ones_still_batch(make_engine, references, prompts):
+    long = [prompts[-1], prompts[-3], prompts[-2]]  # 1100, 700 and 1000 tokens: chunks of 512
+    side_by_side = _first_tokens(make_engine(), long)
+    assert side_by_side[0][0] == 2800  # the first prompt came last: it waited for all the others
+    one_by_one = _first_tokens(make_engine(prompt_batch_tokens=48), long)
+    assert [computed for computed, _ in one_by_one] == [1100, 1800, 2800]
+    assert [tokens for _, tokens in one_by_one] == [tokens for _, tokens in side_by_side]
+    assert [tokens for _, tokens in one_by_one] == [references["llama"].greedy(p)[:1] for p in long]
+    short = [prompts[4], prompts[5], prompts[6], prompts[-1]]  # 16, 17 and 31 tokens, then 1100
+    computed = [computed for computed, _ in _first_tokens(make_engine(prompt_batch_tokens=48), short)]
+    assert computed == [33, 33, 64, 1164]  # the first two share a step; the third would pass 48 tokens
+
+
 def test_import_reuses_prefix_blocks_the_decode_worker_already_has(make_engine, prompts):
     prefill, decode = make_engine(), make_engine()
     prompt = prompts[-1][:100]

@@ -83,7 +83,7 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
 
 @pytest.mark.parametrize("toml", ["[prefill]\nnice = 20", "[decode]\nnice = -21",
                                   "[gateway]\nlocal_prefill_max_slowdown = 0.9", "[prefill]\ncatch_up_wait = 0",
-                                  "[prefill]\ncatch_up_wait = 1.5"])
+                                  "[prefill]\ncatch_up_wait = 1.5", "[prefill]\nprompt_batch_tokens = -1"])
 def test_out_of_range_priorities_and_slowdowns_are_refused(tmp_path: Path, toml: str):
     with pytest.raises(ConfigError):
         load(tmp_path, 'model = "/m"\n' + toml)
@@ -99,3 +99,14 @@ def test_the_prefill_worker_of_a_model_below_catch_up_below_params_alone_catches
     threshold = config.prefill.catch_up_below_params
     assert catches_up(config, "prefill", threshold - 1) and not catches_up(config, "prefill", threshold)
     assert not catches_up(config, "decode", 1) and not catches_up(config, "colocated", 1)
+
+
+def test_prefill_workers_on_the_cpu_alone_take_prompts_one_by_one_unless_told_otherwise(tmp_path: Path):
+    config = NodeConfig(model="/m")
+    assert config.engine_config("prefill").prompt_batch_tokens == 64
+    assert config.engine_config("decode").prompt_batch_tokens is None
+    assert config.engine_config("colocated").prompt_batch_tokens is None
+    on_gpu = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"')
+    assert on_gpu.engine_config("prefill").prompt_batch_tokens is None
+    told = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"\n[prefill]\nprompt_batch_tokens = 256')
+    assert told.engine_config("prefill").prompt_batch_tokens == 256

@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+    prompt_batch_tokens: int | None = None  # prompts one by one, batched within this many tokens (Scheduler)
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     num_threads: int | None = None
@@ -60,6 +61,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {value}")
+        if self.prompt_batch_tokens is not None and self.prompt_batch_tokens < 0:
+            raise InvalidRequestError(f"prompt_batch_tokens must be >= 0, got {self.prompt_batch_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

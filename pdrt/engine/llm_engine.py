@@ -74,7 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk_size,
                                    DraftLimits(config.min_draft_chunk, config.min_draft_step, max_draft_tokens,
-                                               int(num_blocks * config.max_draft_pool_fraction)))
+                                               int(num_blocks * config.max_draft_pool_fraction)),
+                                   config.prompt_batch_tokens)
         self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
         self.sampler = Sampler()
         self.sequences: dict[str, Sequence] = {}

@@ -47,12 +47,21 @@ class Scheduler:
     admitted one (its blocks freed, its tokens kept, back to the front of the
     queue to be recomputed). The remaining budget admits waiting sequences,
     submitted ones before drafts, reusing any cached prefix.
+
+    With `prompt_batch_tokens` set, prompts run one after another: a step
+    takes a chunk of its first prompt, and a later prompt only whole and only
+    while the step stays within that many tokens. Where a step's time grows
+    with its tokens (a CPU), every token of a later prompt in the step delays
+    the first one's first token; batched side by side, prompts that came
+    together all got their first tokens at the end of them all.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_chunk_size: int, draft_limits: DraftLimits | None = None) -> None:
+                 max_prefill_chunk_size: int, draft_limits: DraftLimits | None = None,
+                 prompt_batch_tokens: int | None = None) -> None:
         self.block_manager = block_manager
         self.draft_limits = draft_limits or DraftLimits()
+        self.prompt_batch_tokens = prompt_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk_size = max_prefill_chunk_size
@@ -105,6 +114,15 @@ class Scheduler:
                 return 0
         return max(0, min(n, self.max_prefill_chunk_size, budget))
 
+    def _joins(self, batch: ScheduledBatch, seq: Sequence, n: int, budget: int) -> bool:
+        """Whether `n` tokens of `seq` may go into `batch`, where `budget` tokens are left (prompts one by one)."""
+        if self.prompt_batch_tokens is None or n == 0 or not batch.prefills:
+            return True
+        if seq.num_computed_tokens >= seq.num_prompt_tokens and not seq.is_draft:
+            return True  # a decode
+        whole = n == self.num_pending_tokens(seq)
+        return whole and self.max_num_batched_tokens - budget + n <= self.prompt_batch_tokens
+
     def _victim(self, seq: Sequence, served: set[int]) -> Sequence:
         """Whom to preempt so that `seq` fits: not one served this step; a draft first, then the newest."""
         candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in served]
@@ -147,7 +165,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = self._num_new_tokens(seq, budget)
-            if n == 0:
+            if n == 0 or not self._joins(batch, seq, n, budget):
                 continue
             num_new_blocks = manager.num_new_blocks(seq, n)
             while num_new_blocks > manager.num_free_blocks:
@@ -169,7 +187,7 @@ class Scheduler:
             if not seq.block_table:
                 manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
             n = self._num_new_tokens(seq, budget)
-            if not manager.can_allocate(seq, n):
+            if not self._joins(batch, seq, n, budget) or not manager.can_allocate(seq, n):
                 manager.free(seq)
                 seq.reset_for_recompute()
                 break
