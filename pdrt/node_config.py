@@ -162,10 +162,9 @@ class PrefillGroup(WorkerGroup):
     # prompt starts within catch_up_wait x [gateway] ttft_slo_s (pdrt/priority.py, CatchUp).
     catch_up_below_params: int = 10_000_000
     catch_up_wait: float = 0.25
-    # A prefill step on the CPU takes time in proportion to its tokens, so prompts batched side by side all got
-    # their first tokens at the end of them all: one by one, each prompt's step holds it alone, plus whole
-    # prompts while the step stays within this many tokens (pdrt/engine/scheduler.py). None: CPU_PROMPT_BATCH
-    # on the CPU; on a GPU, where a step's time grows little with its tokens, prompts batch side by side.
+    # Prompts one by one (pdrt/engine/scheduler.py, which says why): a step holds one prompt, plus whole ones
+    # while it stays within this many tokens. None: CPU_PROMPT_BATCH on the CPU; on a GPU, where a step's time
+    # grows little with its tokens, prompts batch side by side.
     prompt_batch_tokens: int | None = None
 
 
