@@ -162,9 +162,9 @@ class PrefillGroup(WorkerGroup):
     # prompt starts within catch_up_wait x [gateway] ttft_slo_s (pdrt/priority.py, CatchUp).
     catch_up_below_params: int = 10_000_000
     catch_up_wait: float = 0.25
-    # Prompts one by one (pdrt/engine/scheduler.py, which says why): a step holds one prompt, plus whole ones
-    # while it stays within this many tokens. None: CPU_PROMPT_BATCH on the CPU; on a GPU, where a step's time
-    # grows little with its tokens, prompts batch side by side.
+    # Prompts one by one, highest response ratio first (pdrt/engine/scheduler.py, which says why): a step holds
+    # one prompt, plus whole ones while it stays within this many tokens. None: CPU_PROMPT_BATCH on the CPU; on
+    # a GPU, where a step's time grows little with its tokens, prompts batch side by side.
     prompt_batch_tokens: int | None = None
 
 

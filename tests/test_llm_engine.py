@@ -134,17 +134,41 @@ def _first_tokens(engine, prompts):
     return [came[f"p{i}"] for i in range(len(prompts))]
 
 
-def test_prompts_one_by_one_come_out_in_order_and_short_ones_still_batch(make_engine, references, prompts):
+def test_prompts_one_by_one_come_out_shortest_first_and_short_ones_still_batch(make_engine, references, prompts):
     long = [prompts[-1], prompts[-3], prompts[-2]]  # 1100, 700 and 1000 tokens: chunks of 512
     side_by_side = _first_tokens(make_engine(), long)
     assert side_by_side[0][0] == 2800  # the first prompt came last: it waited for all the others
     one_by_one = _first_tokens(make_engine(prompt_batch_tokens=48), long)
-    assert [computed for computed, _ in one_by_one] == [1100, 1800, 2800]
+    assert [computed for computed, _ in one_by_one] == [2800, 700, 1700]  # equal waits: the least work first
     assert [tokens for _, tokens in one_by_one] == [tokens for _, tokens in side_by_side]
     assert [tokens for _, tokens in one_by_one] == [references["llama"].greedy(p)[:1] for p in long]
     short = [prompts[4], prompts[5], prompts[6], prompts[-1]]  # 16, 17 and 31 tokens, then 1100
     computed = [computed for computed, _ in _first_tokens(make_engine(prompt_batch_tokens=48), short)]
     assert computed == [33, 33, 64, 1164]  # the first two share a step; the third would pass 48 tokens
+
+
+def test_prompts_one_by_one_let_a_long_prompt_that_waited_go_before_a_shorter_newcomer(make_engine, prompts):
+    engine = make_engine(prompt_batch_tokens=48)
+    engine.add_prefill("long", prompts[-1], GREEDY)  # 1100 tokens
+    engine.add_prefill("short", prompts[-3], GREEDY)  # 700: the least work, so it goes first
+    engine.step()  # its first chunk of 512
+    engine.add_prefill("newcomer", prompts[-2], GREEDY)  # 1000, but it has waited 188 tokens to the long one's 700
+    came, computed = [], 0
+    while len(came) < 3:
+        outputs = engine.step()
+        computed += sum(n for _, n in engine.last_batch.prefills)
+        came += [(out.request_id, computed) for out in outputs]
+    assert came == [("short", 188), ("long", 1288), ("newcomer", 2288)]
+
+
+def test_prompts_one_by_one_count_only_the_work_their_cached_prefix_leaves(make_engine, references, prompts):
+    engine = make_engine(prompt_batch_tokens=48)
+    _first_tokens(engine, [prompts[-2]])  # 1000 tokens: once released, their full blocks stay in the prefix cache
+    engine.abort("p0")
+    follow_up = prompts[-2] + prompts[4]  # 1016 tokens
+    got = _first_tokens(engine, [prompts[-3], follow_up])  # 700 uncached tokens queued first
+    assert [computed for computed, _ in got] == [724, 24]  # the 24 tokens past 62 cached blocks went first
+    assert [tokens for _, tokens in got] == [references["llama"].greedy(p)[:1] for p in (prompts[-3], follow_up)]
 
 
 def test_import_reuses_prefix_blocks_the_decode_worker_already_has(make_engine, prompts):

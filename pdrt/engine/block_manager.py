@@ -1,6 +1,7 @@
 """Paged KV block bookkeeping: allocation, reference counts and the prefix cache."""
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdrt.engine.prefix_hash import ROOT_PARENT, block_key
@@ -68,6 +69,23 @@ class BlockManager:
             return key, None
         return key, block
 
+    def _cached_prefix(self, seq: Sequence, max_tokens: int) -> Iterator[tuple[int, Block]]:
+        """The cached blocks of `seq`'s longest cached prefix within its first `max_tokens` tokens, with their keys."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent, parent_block = ROOT_PARENT, None
+        for start in range(0, max_tokens - bs + 1, bs):
+            key, block = self._lookup(parent, parent_block, seq.token_ids[start : start + bs])
+            if block is None:
+                return
+            yield key, block
+            parent, parent_block = key, block.block_id
+
+    def num_cached_prefix_tokens(self, seq: Sequence, max_tokens: int) -> int:
+        """The tokens `match_prefix` would attach now, without attaching them."""
+        return sum(1 for _ in self._cached_prefix(seq, max_tokens)) * self.block_size
+
     def match_prefix(self, seq: Sequence, max_tokens: int) -> None:
         """Attach cached blocks for the longest cached prefix of `seq`'s first `max_tokens` tokens.
 
@@ -75,24 +93,18 @@ class BlockManager:
         `num_computed_tokens` to the tokens covered by the hits.
         """
         assert not seq.block_table
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        parent, parent_block = ROOT_PARENT, None
-        for start in range(0, max_tokens - bs + 1, bs):
-            chunk = seq.token_ids[start : start + bs]
-            key, block = self._lookup(parent, parent_block, chunk)
-            self.num_prefix_queries += 1
-            if block is None:
-                break
-            self.num_prefix_hits += 1
+        hits = 0
+        for key, block in self._cached_prefix(seq, max_tokens):
+            hits += 1
             if block.ref_count == 0:
                 del self.free_blocks[block.block_id]
             block.ref_count += 1
             seq.block_table.append(block.block_id)
             seq.block_hashes.append(key)
-            parent, parent_block = key, block.block_id
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+        if self.enable_prefix_caching:  # every lookup counts: the hits and the miss that ended them, if any
+            self.num_prefix_queries += hits + (hits < max_tokens // self.block_size)
+            self.num_prefix_hits += hits
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))

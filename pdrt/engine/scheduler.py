@@ -53,7 +53,11 @@ class Scheduler:
     while the step stays within that many tokens. Where a step's time grows
     with its tokens (a CPU), every token of a later prompt in the step delays
     the first one's first token; batched side by side, prompts that came
-    together all got their first tokens at the end of them all.
+    together all got their first tokens at the end of them all. The next
+    prompt is then the one of highest response ratio, (wait + work) / work,
+    both counted in tokens computed (Brinch Hansen's HRRN): among prompts
+    that waited alike the shortest goes first, and a long one's ratio keeps
+    growing until it does.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -69,9 +73,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
+        self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in (prompts one by one)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.queued_at_work = self.work_done
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -123,6 +129,14 @@ class Scheduler:
         whole = n == self.num_pending_tokens(seq)
         return whole and self.max_num_batched_tokens - budget + n <= self.prompt_batch_tokens
 
+    def _admission_key(self, seq: Sequence) -> tuple[bool, float, int]:
+        """Submitted prompts before drafts; then, prompts one by one, the highest response ratio, the least work."""
+        if self.prompt_batch_tokens is None or seq.is_draft:
+            return seq.is_draft, 0.0, 0
+        cached = 0 if seq.block_table else self.block_manager.num_cached_prefix_tokens(seq, seq.num_tokens - 1)
+        work = max(1, self._num_computable(seq) - max(cached, seq.num_computed_tokens))
+        return False, -(self.work_done - seq.queued_at_work + work) / work, work
+
     def _victim(self, seq: Sequence, served: set[int]) -> Sequence:
         """Whom to preempt so that `seq` fits: not one served this step; a draft first, then the newest."""
         candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in served]
@@ -142,6 +156,7 @@ class Scheduler:
         """Put `n` tokens of `seq`, whose blocks are allocated, into the batch."""
         if not seq.is_draft and seq.num_computed_tokens < seq.num_prompt_tokens:
             self._is_prefilling_requests = True
+        self.work_done += n
         samples = seq.needs_sample_after(n)
         if n == 1:
             batch.decodes.append(seq)
@@ -180,8 +195,8 @@ class Scheduler:
                 self._place(batch, seq, n)
                 served.add(id(seq))
                 budget -= n
-        if any(s.is_draft for s in self.waiting):  # submitted requests are admitted first
-            self.waiting = deque(sorted(self.waiting, key=lambda s: s.is_draft))
+        if len(self.waiting) > 1 and (self.prompt_batch_tokens is not None or any(s.is_draft for s in self.waiting)):
+            self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:

@@ -55,6 +55,7 @@ class Sequence:
     stop_reason: str | int | None = None
     detokenizer: IncrementalDetokenizer | None = None
     draft_is_idle: bool = False  # a draft whose typist paused: its pending tokens go in any chunk size
+    queued_at_work: int = 0  # the scheduler's work_done (tokens computed) when it was queued
 
     @property
     def num_tokens(self) -> int:
