@@ -18,7 +18,8 @@ variables and then by command-line flags. Every table and key is optional:
     local_prefill_max_tokens = 512            # a prompt this short may be prefilled on its decode worker
     local_prefill_queue_tokens = 512          # while the prefill worker has this many tokens waiting,
     local_prefill_max_slowdown = 1.25         # and the decode worker's recent steps, stalls included, take at
-                                              # most this many times its plain decode steps (and < tpot_slo_s)
+                                              # most this many times its plain decode steps (and < tpot_slo_s);
+                                              # later, waiting prompts move there to save their TTFT SLO
 
     [warmup]                                  # UDP warmup channel, off without a key
     port = 7102
@@ -96,12 +97,14 @@ class GatewayConfig(_Table):
     tpot_slo_s: float = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
     http_port: int = 7180  # the OpenAI-compatible HTTP front and the demo page; 0 turns it off
     api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
-    # Conditional disaggregation (pdrt/roles/request_table.py): a prompt of at most local_prefill_max_tokens
-    # (0: none) is prefilled by its decode worker itself while the prefill workers have at least
-    # local_prefill_queue_tokens of prompts waiting, one such prompt per decode worker at a time, and only
+    # Conditional disaggregation (pdrt/roles/local_prefill.py): a prompt of at most local_prefill_max_tokens
+    # (0: none, and no moves either) is prefilled by its decode worker itself while the prefill workers have at
+    # least local_prefill_queue_tokens of prompts waiting, one such prompt per decode worker at a time, and only
     # while that worker's recent steps, its stalls for such prompts included, average under tpot_slo_s and
     # under local_prefill_max_slowdown times its steps that only decode: the stall is paid by the requests
-    # decoding there, and disaggregation exists to bound it.
+    # decoding there, and disaggregation exists to bound it. Later, a waiting prompt of any length moves to its
+    # decode worker when that leaves fewer prompts past ttft_slo_s, if every stream there stays within the same
+    # bound over its life.
     local_prefill_max_tokens: int = 512
     local_prefill_queue_tokens: int = 512
     local_prefill_max_slowdown: float = 1.25

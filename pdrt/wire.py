@@ -206,6 +206,10 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     # between two tokens now, and what they would get without the prompts it prefills itself.
     step_s: float = 0.0
     decode_step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps that prefilled (0.0: none)
+    # A prefill worker's waiting prompts: request id -> prompt tokens it computes until that one's first token,
+    # if no other arrives (pdrt.engine.scheduler.Scheduler.first_token_work).
+    first_token_work: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
@@ -343,6 +347,20 @@ class Abort(msgspec.Struct, **_struct("abort")):
     request_id: str
 
 
+class Withdraw(msgspec.Struct, **_struct("withdraw")):
+    """Gateway -> prefill worker: give `request_id` back if it still waits to start, to be prefilled elsewhere."""
+
+    request_id: str
+    reply_to: str
+
+
+class Withdrawn(msgspec.Struct, **_struct("withdrawn")):
+    """Prefill worker -> gateway: `withdrawn` when the request was dropped there unstarted, else it stays."""
+
+    request_id: str
+    withdrawn: bool
+
+
 class StepOutputs(msgspec.Struct, **_struct("step_outputs")):
     """Worker -> gateway: everything one engine step produced, in one message."""
 
@@ -375,8 +393,8 @@ class MetricsView(msgspec.Struct, **_struct("metrics_view")):
 
 
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | PrefillRequest
-                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | StepOutputs | RequestFailed | Error
-                   | MetricsReport | MetricsView)
+                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | Withdraw | Withdrawn | StepOutputs
+                   | RequestFailed | Error | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)

@@ -8,7 +8,7 @@ import pytest
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.metrics.exposition import total
 from pdrt.node_config import GatewayConfig
-from pdrt.roles.request_table import may_prefill_on_decode
+from pdrt.roles.local_prefill import may_prefill_on_decode
 from pdrt.testing.node import Node, free_port
 from pdrt.wire import Load
 from tests.system_client import RawClient, scrape, used_blocks, wait_for

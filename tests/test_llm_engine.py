@@ -161,6 +161,25 @@ def test_prompts_one_by_one_let_a_long_prompt_that_waited_go_before_a_shorter_ne
     assert came == [("short", 188), ("long", 1288), ("newcomer", 2288)]
 
 
+def test_first_token_work_foretells_the_order_and_work_of_prompts_one_by_one(make_engine, prompts):
+    engine = make_engine(prompt_batch_tokens=48)
+    for name, prompt in (("long", prompts[-1]), ("short", prompts[-3]), ("middle", prompts[-2])):
+        engine.add_prefill(name, prompt, GREEDY)  # 1100, 700 and 1000 tokens
+    assert engine.scheduler.first_token_work() == {"short": 700, "middle": 1700, "long": 2800}
+    engine.step()  # the short one's first chunk of 512: it runs, and is no longer waiting
+    engine.add_prefill("newcomer", prompts[-5], GREEDY)  # 401 tokens, waited for none of the 512
+    # The 188 left of the short one; then the middle one (its wait of 700 is the most for its work); then the
+    # newcomer, whose 401 tokens have waited 1188 by then; the long one last: what the steps below then do.
+    foretold = engine.scheduler.first_token_work()
+    assert foretold == {"middle": 1188, "newcomer": 1589, "long": 2689}
+    came, computed = {}, 0
+    while len(came) < 4:
+        outputs = engine.step()
+        computed += sum(n for _, n in engine.last_batch.prefills)
+        came.update({out.request_id: computed for out in outputs})
+    assert {rid: came[rid] for rid in foretold} == foretold
+
+
 def test_prompts_one_by_one_count_only_the_work_their_cached_prefix_leaves(make_engine, references, prompts):
     engine = make_engine(prompt_batch_tokens=48)
     _first_tokens(engine, [prompts[-2]])  # 1000 tokens: once released, their full blocks stay in the prefix cache

@@ -1,10 +1,13 @@
 """Chooses the work of each engine step and applies its results."""
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdrt.engine.block_manager import BlockManager
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+MAX_FORETOLD = 64  # waiting prompts in `Scheduler.first_token_work`
 
 
 @dataclass(slots=True)
@@ -129,13 +132,38 @@ class Scheduler:
         whole = n == self.num_pending_tokens(seq)
         return whole and self.max_num_batched_tokens - budget + n <= self.prompt_batch_tokens
 
+    def _work(self, seq: Sequence) -> int:
+        """Tokens left to compute of a waiting prompt, its cached prefix aside (at least 1)."""
+        cached = 0 if seq.block_table else self.block_manager.num_cached_prefix_tokens(seq, seq.num_tokens - 1)
+        return max(1, self._num_computable(seq) - max(cached, seq.num_computed_tokens))
+
     def _admission_key(self, seq: Sequence) -> tuple[bool, float, int]:
         """Submitted prompts before drafts; then, prompts one by one, the highest response ratio, the least work."""
         if self.prompt_batch_tokens is None or seq.is_draft:
             return seq.is_draft, 0.0, 0
-        cached = 0 if seq.block_table else self.block_manager.num_cached_prefix_tokens(seq, seq.num_tokens - 1)
-        work = max(1, self._num_computable(seq) - max(cached, seq.num_computed_tokens))
+        work = self._work(seq)
         return False, -(self.work_done - seq.queued_at_work + work) / work, work
+
+    def first_token_work(self) -> dict[str, int]:
+        """Each waiting submitted prompt's request id -> the prompt tokens this scheduler computes until that
+        prompt's first token, if no other arrives: the running prompts' rest first, then the waiting ones in the
+        order it would start them (prompts one by one: by response ratio as its clock advances). Only the
+        first MAX_FORETOLD in the queue's last order count: the account costs their number squared."""
+        done = sum(self.num_pending_tokens(s) for s in self.running
+                   if not s.is_draft and s.num_computed_tokens < s.num_prompt_tokens)
+        prompts = itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD)
+        pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
+        clock, until = self.work_done + done, {}
+        while pending:
+            if self.prompt_batch_tokens is None:
+                request_id = next(iter(pending))
+            else:
+                request_id = min(pending, key=lambda r: (-(clock - pending[r][0] + pending[r][1]) / pending[r][1],
+                                                         pending[r][1]))
+            work = pending.pop(request_id)[1]
+            clock, done = clock + work, done + work
+            until[request_id] = done
+        return until
 
     def _victim(self, seq: Sequence, served: set[int]) -> Sequence:
         """Whom to preempt so that `seq` fits: not one served this step; a draft first, then the newest."""

@@ -60,6 +60,8 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pdrt_gateway_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.prefills_on_decode = Counter("pdrt_gateway_prefills_on_decode", "Attempts sent to a decode worker to "
                                           "prefill itself (conditional disaggregation)", registry=r)
+        self.prefills_moved = Counter("pdrt_gateway_prefills_moved", "Prompts taken back from a prefill worker's "
+                                      "queue, unstarted, to be prefilled on their decode worker", registry=r)
         self.cached_tokens = Counter("pdrt_gateway_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                      registry=r)
         self.output_tokens = Counter("pdrt_gateway_output_tokens", "Output tokens of ended requests", registry=r)

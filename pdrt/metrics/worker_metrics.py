@@ -53,6 +53,7 @@ class WorkerMetrics:
                                      "prefill chunks)", buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.decode_steps: deque[float] = deque(maxlen=DS_WINDOW)
         self.recent_steps: deque[tuple[float, bool]] = deque(maxlen=RECENT_STEPS)  # (seconds, prefilled too)
+        self.recent_prefills: deque[tuple[float, int]] = deque(maxlen=RECENT_STEPS)  # (seconds, prompt tokens)
         self.prefill_times: deque[float] = deque(maxlen=PSI_WINDOW)
         self.prefill_started: dict[str, float] = {}  # request id -> perf_counter of its first chunk's step
         self.catch_up: CatchUp | None = None  # a prefill worker's, where it catches up (pdrt.process)
@@ -88,6 +89,8 @@ class WorkerMetrics:
         if batch.decodes:
             self.decode_steps.append(now - started)
             self.recent_steps.append((now - started, bool(batch.prefills)))
+        if batch.prefills:
+            self.recent_prefills.append((now - started, sum(n for _, n in batch.prefills)))
         if borrowed_threads > 0:
             self.borrowing_steps.inc()
         self.step_tokens.observe(len(batch.decodes) + sum(n for _, n in batch.prefills))
@@ -119,6 +122,11 @@ class WorkerMetrics:
         plain = [seconds for seconds, prefilled in self.recent_steps if not prefilled]
         mean = sum(seconds for seconds, _ in self.recent_steps) / len(self.recent_steps)
         return mean, sum(plain) / len(plain) if plain else 0.0
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second of the recent steps that prefilled, their decodes included (0.0: none)."""
+        seconds = sum(s for s, _ in self.recent_prefills)
+        return sum(n for _, n in self.recent_prefills) / seconds if seconds > 0 else 0.0
 
     def handoff_sent(self, num_blocks: int) -> None:
         self.handoffs_sent.inc()

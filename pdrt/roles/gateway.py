@@ -51,6 +51,7 @@ from pdrt.metrics.gateway_view import GatewayMetricsView
 from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.roles.prompt_renderer import PromptRenderer
 from pdrt.roles.request_table import RequestTable
 from pdrt.roles.router import Router
@@ -80,6 +81,7 @@ from pdrt.wire import (
     Status,
     StepOutputs,
     Warmup,
+    Withdrawn,
     WorkerInfo,
     WorkerStatus,
     encode,
@@ -125,7 +127,8 @@ class Gateway(Actor):
         self.warmups = Warmups(config.warmup, self.tokenizer, self.max_model_len, self.router, self.outbox, role,
                                self._new_id, self.counters)
         self.table = RequestTable(config.gateway, self.tokenizer, self.router, self.outbox, self.inbox.address, role,
-                                  self.drafts, self.warmups, self._reply_all, process_id)
+                                  self.drafts, self.warmups, self._reply_all, process_id,
+                                  PrefixMemory(config.engine.block_size, config.engine.hash_seed))
         self.warmup_listener: WarmupListener | None = None
         if config.warmup.key:
             guard = WarmupGuard(config.warmup.key.encode(), self.model_name, config.warmup.max_age_s)
@@ -200,6 +203,8 @@ class Gateway(Actor):
             self.table.outputs(message)
         elif isinstance(message, RequestFailed):
             self.table.failed(message)
+        elif isinstance(message, Withdrawn):
+            self.table.withdrawn(message)
         elif isinstance(message, Warmup):
             self.warmups.warm(message.session_id)
         elif isinstance(message, ClusterView):
@@ -237,6 +242,7 @@ class Gateway(Actor):
             self._reply(draft.identity, Error(error.code, str(error), draft.draft_id))
         self.warmups.expire()
         self.table.expire()
+        self.table.rebalance()
 
     # -- client frames ----------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from pdrt.engine.detokenizer import IncrementalDetokenizer
 from pdrt.engine.outputs import RequestOutput
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.engine.sequence import FinishReason
+from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.wire import Tokens, Usage, WorkerInfo
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
@@ -42,6 +43,9 @@ class GatewayRequest:
     session_id: str = ""
     messages: list[dict[str, str]] | None = None  # a chat request's messages, remembered for its session
     preferred: WorkerInfo | None = None  # the prefill worker holding this session's warmup or draft
+    pinned: bool = False  # its prefill worker holds its draft's KV, or has started it: it is not moved
+    withdrawing: bool = False  # asked back from its prefill worker, to move it to its decode worker
+    _block_keys: list[int] | None = None
     admitted_at: float = field(default_factory=time.monotonic)  # these four time the request's metrics
     sent_at: float = 0.0
     first_token_at: float = 0.0
@@ -56,6 +60,12 @@ class GatewayRequest:
                stream: bool, deadline: float, tokenizer: Any | None) -> "GatewayRequest":
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop) if tokenizer is not None else None
         return cls(identity, request_id, prompt_token_ids, params, stream, deadline, detok)
+
+    def block_keys(self, prefixes: PrefixMemory) -> list[int]:
+        """The prefix-cache keys of the prompt's full blocks, computed once."""
+        if self._block_keys is None:
+            self._block_keys = prefixes.keys(self.prompt_token_ids)
+        return self._block_keys
 
     @property
     def has_tokens(self) -> bool:

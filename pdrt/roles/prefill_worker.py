@@ -16,7 +16,9 @@ Life cycle of a request in this worker:
    export and frees the blocks.
 
 An `Abort` before step 3 drops the request; after it, the blocks stay until
-the acknowledgement, because the decode worker may be copying them.
+the acknowledgement, because the decode worker may be copying them. A
+`Withdraw` drops a request only while it waits in step 1 (nothing of it has
+been sent), and `Withdrawn` tells the gateway which it was.
 """
 
 import time
@@ -25,11 +27,22 @@ import structlog
 import zmq.asyncio
 
 from pdrt.engine.outputs import RequestOutput
+from pdrt.engine.sequence import SequenceStatus
 from pdrt.node_config import NodeConfig
 from pdrt.priority import CatchUp
 from pdrt.roles.engine_worker import EngineWorker
 from pdrt.transport import TransferBackend, make_source
-from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, KVAck, KVHandoff, PrefillRequest
+from pdrt.wire import (
+    Abort,
+    DraftSubmitted,
+    DraftUpdate,
+    KVAck,
+    KVHandoff,
+    Load,
+    PrefillRequest,
+    Withdraw,
+    Withdrawn,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +71,8 @@ class PrefillWorker(EngineWorker):
             self.draft_update(message)
         elif isinstance(message, DraftSubmitted):
             self.draft_submitted(message)
+        elif isinstance(message, Withdraw):
+            self._withdraw(message)
         elif isinstance(message, Abort):
             self.drop_draft(message.request_id)
             self.arrived.pop(message.request_id, None)
@@ -83,6 +98,23 @@ class PrefillWorker(EngineWorker):
 
         self.queue_op(rid, add)
 
+    def _withdraw(self, message: Withdraw) -> None:
+        """Answer at once, not after the running step: a request still waiting to start is dropped here.
+
+        The step running now may have just taken it; then its work is lost,
+        and nothing of it is sent: its gateway and its handoff are forgotten
+        here, and the abort frees its blocks before the next step.
+        """
+        rid = message.request_id
+        seq = self.engine.sequences.get(rid)
+        withdrawn = rid in self.requests and seq is not None and seq.status is SequenceStatus.WAITING
+        if withdrawn:
+            del self.requests[rid]
+            self.arrived.pop(rid, None)
+            self.reply_to.pop(rid, None)
+            self.queue_op(rid, lambda: self.engine.abort(rid))
+        self.outbox.send(message.reply_to, Withdrawn(rid, withdrawn))
+
     def on_submitted(self, submitted: DraftSubmitted) -> None:
         self.requests[submitted.draft_id] = PrefillRequest(submitted.draft_id, submitted.token_ids, submitted.params,
                                                            submitted.reply_to, submitted.decode_address)
@@ -107,6 +139,11 @@ class PrefillWorker(EngineWorker):
             self.outbox.send(request.decode_address, KVHandoff(
                 out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
+
+    def _measure_load(self) -> Load:
+        load = super()._measure_load()
+        load.first_token_work = self.engine.scheduler.first_token_work()  # for the gateways' moves of late prompts
+        return load
 
     def _release(self, request_id: str, acked: bool = True) -> None:
         if self.held.pop(request_id, None) is not None:

@@ -9,7 +9,7 @@ attempt, so that late outputs of the old one are recognized and ignored.
 
 import itertools
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +30,15 @@ from pdrt.errors import (
 from pdrt.metrics.gateway_metrics import GatewayMetrics
 from pdrt.node_config import GatewayConfig
 from pdrt.roles.gateway_request import GatewayRequest
+from pdrt.roles.local_prefill import (
+    first_token_seconds,
+    may_prefill_on_decode,
+    prompt_to_move,
+    stall_fits,
+    tpot_bound,
+)
 from pdrt.roles.messaging import Outbox
+from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_book import DraftBook, GatewayDraft
 from pdrt.warmup.warmups import Warmups
@@ -38,10 +46,11 @@ from pdrt.wire import (
     Abort,
     DraftSubmitted,
     Error,
-    Load,
     PrefillRequest,
     RequestFailed,
     StepOutputs,
+    Withdraw,
+    Withdrawn,
     WorkerInfo,
 )
 
@@ -50,32 +59,11 @@ log = structlog.get_logger(__name__)
 MAX_TIMEOUT_S = 24 * 3600.0
 
 
-def may_prefill_on_decode(config: GatewayConfig, num_prompt_tokens: int, backlog_tokens: int, decode: Load) -> bool:
-    """Whether a prompt should be prefilled by its decode worker rather than queue behind `backlog_tokens`.
-
-    Only a prompt of at most `local_prefill_max_tokens`, behind a backlog of
-    at least `local_prefill_queue_tokens`. And only while the decode worker
-    has room for the stall in its streams' time between tokens: when it runs
-    no sequence, or when its recent steps, stalls included, average under the
-    TPOT SLO and under `local_prefill_max_slowdown` times its plain decode
-    steps. Each local prefill lengthens that average, so the decode worker
-    takes the next one only once its streams are back within the bound.
-    """
-    if not 0 < num_prompt_tokens <= config.local_prefill_max_tokens:
-        return False
-    if backlog_tokens < config.local_prefill_queue_tokens:
-        return False
-    if decode.num_running == 0:
-        return True
-    if decode.decode_step_s <= 0.0:
-        return False  # every recent step stalled for a prefill
-    return decode.step_s < min(config.tpot_slo_s, config.local_prefill_max_slowdown * decode.decode_step_s)
-
-
 class RequestTable:
     def __init__(self, config: GatewayConfig, tokenizer: Any, router: Router, outbox: Outbox, inbox_address: str,
                  role: str, drafts: DraftBook, warmups: Warmups,
-                 reply: Callable[[bytes, list[msgspec.Struct]], None], process_id: str) -> None:
+                 reply: Callable[[bytes, list[msgspec.Struct]], None], process_id: str,
+                 prefixes: PrefixMemory) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.router = router
@@ -87,6 +75,7 @@ class RequestTable:
         self.reply = reply  # a client's frames, sent as the parts of one ZeroMQ message
         self.held: dict[bytes, list[msgspec.Struct]] | None = None  # while a worker's outputs are taken
         self.process_id = process_id
+        self.prefixes = prefixes  # where the prompts' KV went: the prompts' cached parts, for moves
         self.attempts = itertools.count()
         self.requests: dict[str, GatewayRequest] = {}  # attempt id -> request
         self.by_client: dict[tuple[bytes, str], GatewayRequest] = {}
@@ -116,32 +105,41 @@ class RequestTable:
 
     # -- routing --------------------------------------------------------------------------
 
-    def _route(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> bool:
+    def _route(self, req: GatewayRequest, draft: GatewayDraft | None = None,
+               local_on: WorkerInfo | None = None) -> bool:
         """Send `req` to its workers; False when no live worker can take it now.
 
         A submitted draft goes to the worker that prefilled it, if that one
-        is alive; a session's request to the worker holding its warmup.
+        is alive; a session's request to the worker holding its warmup; a
+        prompt moved off a prefill queue to the decode worker `local_on`.
         """
         held = draft is not None and draft.worker is not None and bool(draft.sent) \
             and self.router.is_live(draft.worker)
-        if held:
+        prefill: WorkerInfo | None
+        decode: WorkerInfo | None = None
+        if local_on is not None:
+            prefill = local_on
+        elif held:
             prefill = draft.worker
         elif req.preferred is not None and self.router.is_live(req.preferred):
             prefill = req.preferred
         else:
             prefill = self.router.pick(self.role)
-        decode = self.router.pick("decode") if self.role == "prefill" else None
+        if self.role == "prefill" and local_on is None:
+            decode = self.router.pick("decode")
         if draft is not None and not held:
             self.drafts.drop(draft, "drafts_rerouted")  # its KV is gone with its worker, or it never had any
-        if prefill is None or (decode is None and self.role == "prefill"):
+        if prefill is None or (decode is None and self.role == "prefill" and local_on is None):
             return False
-        local = not held and req.preferred is None and self._prefills_on_decode(req, prefill, decode)
-        if local:
+        local = local_on is not None or (not held and req.preferred is None
+                                         and self._prefills_on_decode(req, prefill, decode))
+        if local and local_on is None:
             prefill, decode = decode, None  # the decode worker prefills and decodes it, as a colocated one would
+        if local:
             self.metrics.prefills_on_decode.inc()
         req.attempt += 1
         req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
-        req.prefill, req.decode = prefill, decode
+        req.prefill, req.decode, req.pinned = prefill, decode, held
         self.requests[req.internal_id] = req
         for worker in req.workers():
             self.router.open_requests[worker.process_id] += 1
@@ -156,6 +154,8 @@ class RequestTable:
         if not self.outbox.send(prefill.address, message):  # the worker's queue is full: try again later
             self._detach(req, abort=False)
             return False
+        if self.role == "prefill":  # only moves ask where a prompt's prefix is cached
+            self.prefixes.remember(prefill.process_id, req.block_keys(self.prefixes))
         self.metrics.sent(req)
         log.info("request routed", request_id=req.internal_id, client_request_id=req.request_id,
                  prompt_tokens=len(req.prompt_token_ids), prefill=prefill.process_id,
@@ -170,8 +170,10 @@ class RequestTable:
         often well within its TPOT SLO, computes it in one step of its own.
         `may_prefill_on_decode` weighs the two; the backlog is this gateway's
         prompts that the prefill worker `pick` chose has not answered yet, and
-        one such prompt at a time goes to a decode worker. Drafts and
-        warmed-up sessions keep their prefill worker.
+        one such prompt at a time goes to a decode worker, if its stall keeps
+        the requests there within their TPOT bound (`_seconds_on_decode`, once
+        the workers' prefill rates are known). Drafts and warmed-up sessions
+        keep their prefill worker.
         """
         if prefill is None or decode is None:
             return False
@@ -183,7 +185,32 @@ class RequestTable:
                 backlog += len(other.prompt_token_ids)
             elif other.prefill.process_id == decode.process_id:
                 return False  # its local prefill is still running
-        return may_prefill_on_decode(self.config, len(req.prompt_token_ids), backlog, decode.load)
+        if not may_prefill_on_decode(self.config, len(req.prompt_token_ids), backlog, decode.load):
+            return False
+        rate = prefill.load.prefill_tokens_per_s
+        return rate <= 0.0 or self._seconds_on_decode(req, decode, rate, time.monotonic()) is not None
+
+    def _seconds_on_decode(self, req: GatewayRequest, decode: WorkerInfo, prefill_rate: float, now: float
+                           ) -> float | None:
+        """Seconds until `req`'s first token if `decode` prefilled it, behind the prompts it prefills already
+        (at its recent prefill rate, else `prefill_rate`; its cached prefix aside); None when that stall would
+        take a request decoding there, or to decode there next, past its TPOT bound (`stall_fits`)."""
+        local_tokens, others = 0, []
+        for other in self.requests.values():
+            if other is req or other.prefill is None:
+                continue
+            if other.decode is not None and other.decode.process_id == decode.process_id:
+                others.append(other)
+            elif other.decode is None and other.prefill.process_id == decode.process_id:
+                others.append(other)
+                local_tokens += 0 if other.has_tokens else len(other.prompt_token_ids)
+        uncached = len(req.prompt_token_ids) - self.prefixes.cached_tokens(decode.process_id,
+                                                                          req.block_keys(self.prefixes))
+        seconds = (local_tokens + uncached) / (decode.load.prefill_tokens_per_s or prefill_rate)
+        if others and not stall_fits(others, seconds, decode.load.decode_step_s, tpot_bound(self.config, decode.load),
+                                     now):
+            return None
+        return seconds
 
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
@@ -191,6 +218,57 @@ class RequestTable:
             if (req.identity, req.request_id) in self.by_client and not self._route(req):
                 self.unrouted.append(req)
                 break
+
+    def rebalance(self) -> None:
+        """Each tick: off each prefill worker's queue, move the prompt `prompt_to_move` picks to its decode worker,
+        one per decode worker, if it has not started (`Withdraw`, answered by `withdrawn`)."""
+        if self.role != "prefill" or self.config.local_prefill_max_tokens <= 0:
+            return
+        now = time.monotonic()
+        queues: defaultdict[str, dict[str, GatewayRequest]] = defaultdict(dict)  # prefill worker -> prompts there
+        for req in self.requests.values():
+            if not req.has_tokens and req.prefill is not None and req.decode is not None:
+                queues[req.prefill.process_id][req.internal_id] = req
+        taken: set[str] = set()  # decode workers asked to take a prompt this tick
+
+        def seconds_on_decode(req: GatewayRequest, prefill_rate: float) -> float | None:
+            assert req.decode is not None
+            decode = self.router.workers.get(req.decode.process_id)
+            if decode is None or decode.process_id in taken or req.pinned or req.withdrawing \
+                    or req.preferred is not None:
+                return None
+            return self._seconds_on_decode(req, decode, prefill_rate, now)
+
+        ours = f"{self.process_id}-"
+        for process_id, queue in queues.items():
+            prefill = self.router.workers.get(process_id)
+            if prefill is None or prefill.load.prefill_tokens_per_s <= 0.0:
+                continue
+            rate = prefill.load.prefill_tokens_per_s
+            seconds = first_token_seconds(prefill.load.first_token_work,
+                                          lambda rid, q=queue: rid.startswith(ours) and rid not in q, rate)
+            waiting = [(queue[rid], s) for rid, s in seconds.items() if rid in queue]
+            req = prompt_to_move(waiting, self.config.ttft_slo_s, now, lambda r, rate=rate: seconds_on_decode(r, rate))
+            if req is not None and req.prefill is not None and req.decode is not None \
+                    and self.outbox.send(req.prefill.address, Withdraw(req.internal_id, self.inbox_address)):
+                req.withdrawing = True
+                taken.add(req.decode.process_id)
+
+    def withdrawn(self, message: Withdrawn) -> None:
+        """A prefill worker's answer to `Withdraw`: an unstarted prompt goes to its decode worker to be prefilled."""
+        req = self.requests.get(message.request_id)
+        if req is None or not req.withdrawing:
+            return  # ended, retried or moved since
+        req.withdrawing = False
+        if not message.withdrawn:
+            req.pinned = True  # it started there
+            return
+        decode = req.decode
+        self._detach(req, abort=False)
+        self.metrics.prefills_moved.inc()
+        local_on = decode if decode is not None and self.router.is_live(decode) else None
+        if not self._route(req, local_on=local_on):
+            self.unrouted.append(req)
 
     def _detach(self, req: GatewayRequest, abort: bool) -> None:
         """Forget the current attempt of `req`; with `abort`, tell its live workers to drop it."""
@@ -201,6 +279,7 @@ class RequestTable:
             if abort and self.router.is_live(worker):
                 self.outbox.send(worker.address, Abort(req.internal_id))
         req.prefill = req.decode = None
+        req.withdrawing = False
 
     def end(self, req: GatewayRequest, final: msgspec.Struct, abort: bool = False) -> None:
         self._detach(req, abort)
@@ -260,6 +339,8 @@ class RequestTable:
 
     def _take(self, req: GatewayRequest, out: RequestOutput) -> None:
         self.metrics.tokens(req, len(out.new_token_ids))
+        if not req.has_tokens and req.decode is not None:  # its KV goes to the decode worker now
+            self.prefixes.remember(req.decode.process_id, req.block_keys(self.prefixes))
         frame, finished = req.add(out)
         if finished:
             if req.session_id and req.messages is not None:
@@ -278,6 +359,7 @@ class RequestTable:
             self.end(req, Error(message.code, message.message, req.request_id), abort=True)
 
     def worker_lost(self, worker: WorkerInfo) -> None:
+        self.prefixes.forget(worker.process_id)
         for req in list(self.requests.values()):
             if not any(w.process_id == worker.process_id and w.incarnation == worker.incarnation
                        for w in req.workers()):
