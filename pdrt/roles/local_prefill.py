@@ -2,7 +2,8 @@
 
 The gateway asks twice. When a prompt arrives (`may_prefill_on_decode`), a
 short one behind a backlog goes to its decode worker if that worker's recent
-steps leave room. While prompts wait (`prompt_to_move`, every gateway tick),
+steps leave room (and, in the gateway, if its stall passes `stall_fits` as a
+move's must). While prompts wait (`prompt_to_move`, every gateway tick),
 when the prefill worker's own account of its queue says some will miss the
 TTFT SLO, the one whose move leaves the fewest late moves to its decode
 worker, if the stall keeps every stream decoding there within its TPOT bound
@@ -43,10 +44,10 @@ def tpot_bound(config: GatewayConfig, decode: Load) -> float:
     """What a stream on `decode` may average between its tokens, stalls included: under the TPOT SLO and under
     `local_prefill_max_slowdown` times the worker's plain decode steps (0.0 while those are unknown).
 
-    The slowdown bound is the isolation disaggregation exists for: spending
-    the streams' slack up to the SLO instead bought the Zen 4 host 4% more
-    goodput, and raised its interference measure from 1.07 to 1.46
-    (docs/benchmarks.md)."""
+    The slowdown bound is the isolation disaggregation exists for: bounding
+    moves by the TPOT SLO alone raised the Zen 4 host's interference measure
+    from 1.07 to 1.46 and bought no goodput that moves within this bound did
+    not (docs/benchmarks.md)."""
     if decode.decode_step_s <= 0.0:
         return 0.0
     return min(config.tpot_slo_s, config.local_prefill_max_slowdown * decode.decode_step_s)
