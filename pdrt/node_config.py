@@ -103,8 +103,8 @@ class GatewayConfig(_Table):
     # while that worker's recent steps, its stalls for such prompts included, average under tpot_slo_s and
     # under local_prefill_max_slowdown times its steps that only decode: the stall is paid by the requests
     # decoding there, and disaggregation exists to bound it. Later, a waiting prompt of any length moves to its
-    # decode worker when that leaves fewer prompts past ttft_slo_s, if every stream there stays within the same
-    # bound over its life.
+    # decode worker when that leaves fewer prompts past ttft_slo_s, if every stream there stays within half the
+    # slowdown's slack over its life (arrivals too).
     local_prefill_max_tokens: int = 512
     local_prefill_queue_tokens: int = 512
     local_prefill_max_slowdown: float = 1.25
