@@ -107,13 +107,13 @@ class PrefillWorker(EngineWorker):
         """
         rid = message.request_id
         seq = self.engine.sequences.get(rid)
-        withdrawn = rid in self.requests and seq is not None and seq.status is SequenceStatus.WAITING
-        if withdrawn:
+        if not (rid in self.requests and seq is not None and seq.status is SequenceStatus.WAITING):
+            self.outbox.send(message.reply_to, Withdrawn(rid, False))
+        elif self.outbox.send(message.reply_to, Withdrawn(rid, True)):  # undelivered, it stays: nothing is lost
             del self.requests[rid]
             self.arrived.pop(rid, None)
             self.reply_to.pop(rid, None)
             self.queue_op(rid, lambda: self.engine.abort(rid))
-        self.outbox.send(message.reply_to, Withdrawn(rid, withdrawn))
 
     def on_submitted(self, submitted: DraftSubmitted) -> None:
         self.requests[submitted.draft_id] = PrefillRequest(submitted.draft_id, submitted.token_ids, submitted.params,
