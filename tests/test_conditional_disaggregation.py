@@ -25,6 +25,13 @@ def routes(node: Node) -> dict[str, tuple[str, bool]]:
             for ln in lines if ln.get("event") == "request routed"}
 
 
+def prefilled_on_decode(node: Node) -> set[str]:
+    """Client request ids whose last attempt the decode worker prefilled itself (checked to be decode-0)."""
+    local = {rid for rid, (worker, on_decode) in routes(node).items() if on_decode}
+    assert all(routes(node)[rid][0] == "decode-0" for rid in local)
+    return local
+
+
 @pytest.fixture(scope="module")
 def node(model_dirs, tmp_path_factory):
     # Any queue at the prefill worker is long enough: every short prompt that finds the decode worker free of
@@ -49,9 +56,7 @@ def test_short_prompts_behind_a_busy_prefill_worker_are_prefilled_on_the_decode_
         client.close()
     for i, prompt in enumerate(batch):
         assert results[f"r{i}"] == references["llama"].greedy(prompt), f"request {i} ({len(prompt)} prompt tokens)"
-    routed = routes(node)
-    local = {rid for rid, (worker, on_decode) in routed.items() if on_decode}
-    assert all(routed[rid][0] == "decode-0" for rid in local)
+    local = prefilled_on_decode(node)
     assert local, "no short prompt was prefilled on the decode worker"
     assert not local & {f"r{i}" for i in range(len(long_prompts))}, "a prompt over the limit went to decode"
     wait_for(lambda: used_blocks(node) == {"prefill-0": 0, "decode-0": 0}, timeout_s=10)
