@@ -107,11 +107,13 @@ def prompt_to_move(queue: list[tuple[GatewayRequest, float]], ttft_slo_s: float,
 
     queue = sorted(queue, key=lambda item: item[1])
     stay_late = sum(late(req, seconds) for req, seconds in queue)
+    if not stay_late:
+        return None
     best, fewest = None, stay_late - 1
     previous = 0.0
     for i, (req, seconds) in enumerate(queue):
         own, previous = seconds - previous, seconds
-        elsewhere = seconds_elsewhere(req) if stay_late else None
+        elsewhere = seconds_elsewhere(req)
         if elsewhere is None:
             continue
         num_late = (sum(late(r, s) for r, s in queue[:i]) + late(req, elsewhere)

@@ -131,11 +131,11 @@ class RequestTable:
             self.drafts.drop(draft, "drafts_rerouted")  # its KV is gone with its worker, or it never had any
         if prefill is None or (decode is None and self.role == "prefill" and local_on is None):
             return False
-        local = local_on is not None or (not held and req.preferred is None
-                                         and self._prefills_on_decode(req, prefill, decode))
-        if local and local_on is None:
-            prefill, decode = decode, None  # the decode worker prefills and decodes it, as a colocated one would
+        if local_on is None and not held and req.preferred is None and self._prefills_on_decode(req, prefill, decode):
+            local_on = decode
+        local = local_on is not None
         if local:
+            prefill, decode = local_on, None  # the decode worker prefills and decodes it, as a colocated one would
             self.metrics.prefills_on_decode.inc()
         req.attempt += 1
         req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
