@@ -46,6 +46,8 @@ from pdrt.wire import (
 
 log = structlog.get_logger(__name__)
 
+ACCOUNT_REFRESH_S = 0.1  # gateways read it with the heartbeats, 4 times a second
+
 
 class PrefillWorker(EngineWorker):
     role = "prefill"
@@ -60,6 +62,8 @@ class PrefillWorker(EngineWorker):
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
         self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
         self.catch_up: CatchUp | None = None  # set by pdrt.process for a model that small
+        self.account: dict[str, int] = {}  # the scheduler's first_token_work, as of account_at
+        self.account_at = 0.0
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):
@@ -141,8 +145,13 @@ class PrefillWorker(EngineWorker):
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
 
     def _measure_load(self) -> Load:
+        """The load, with the queue's account for the gateways' moves of late prompts: remade at most every
+        ACCOUNT_REFRESH_S (it costs its prompts' number squared, and the load is measured after every op too)."""
         load = super()._measure_load()
-        load.first_token_work = self.engine.scheduler.first_token_work()  # for the gateways' moves of late prompts
+        now = time.monotonic()
+        if now - self.account_at >= ACCOUNT_REFRESH_S:
+            self.account, self.account_at = self.engine.scheduler.first_token_work(), now
+        load.first_token_work = self.account
         return load
 
     def _release(self, request_id: str, acked: bool = True) -> None:
