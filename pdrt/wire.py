@@ -207,9 +207,11 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     step_s: float = 0.0
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps that prefilled (0.0: none)
-    # A prefill worker's waiting prompts: request id -> prompt tokens it computes until that one's first token,
-    # if no other arrives (pdrt.engine.scheduler.Scheduler.first_token_work).
+    # A prefill worker's prompts without their first token: request id -> prompt tokens it computes until that
+    # one's first token, if no other arrives (pdrt.engine.scheduler.Scheduler.first_token_work); and those of
+    # them it has begun, which it can no longer give back (`Withdraw`).
     first_token_work: dict[str, int] = msgspec.field(default_factory=dict)
+    prefilling: list[str] = msgspec.field(default_factory=list)
 
 
 class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):

@@ -168,10 +168,11 @@ def test_first_token_work_foretells_the_order_and_work_of_prompts_one_by_one(mak
     assert engine.scheduler.first_token_work() == {"short": 700, "middle": 1700, "long": 2800}
     engine.step()  # the short one's first chunk of 512: it runs, and is no longer waiting
     engine.add_prefill("newcomer", prompts[-5], GREEDY)  # 401 tokens, waited for none of the 512
-    # The 188 left of the short one; then the middle one (its wait of 700 is the most for its work); then the
-    # newcomer, whose 401 tokens have waited 1188 by then; the long one last: what the steps below then do.
+    # The 188 left of the short one, begun; then the middle one (its wait of 700 is the most for its work);
+    # then the newcomer, whose 401 tokens have waited 1188 by then; the long one last: what the steps below do.
     foretold = engine.scheduler.first_token_work()
-    assert foretold == {"middle": 1188, "newcomer": 1589, "long": 2689}
+    assert foretold == {"short": 188, "middle": 1188, "newcomer": 1589, "long": 2689}
+    assert [seq.request_id for seq in engine.scheduler.started_prompts()] == ["short"]
     came, computed = {}, 0
     while len(came) < 4:
         outputs = engine.step()

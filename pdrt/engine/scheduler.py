@@ -145,15 +145,18 @@ class Scheduler:
         return False, -(self.work_done - seq.queued_at_work + work) / work, work
 
     def first_token_work(self) -> dict[str, int]:
-        """Each waiting submitted prompt's request id -> the prompt tokens this scheduler computes until that
-        prompt's first token, if no other arrives: the running prompts' rest first, then the waiting ones in the
-        order it would start them (prompts one by one: by response ratio as its clock advances). Only the
-        first MAX_FORETOLD in the queue's last order count: the account costs their number squared."""
-        done = sum(self.num_pending_tokens(s) for s in self.running
-                   if not s.is_draft and s.num_computed_tokens < s.num_prompt_tokens)
+        """Each submitted prompt without its first token -> the prompt tokens this scheduler computes until
+        that first token, if no other arrives: the started prompts' rest first (`started_prompts`), then the
+        waiting ones in the order it would start them (prompts one by one: by response ratio as its clock
+        advances). Only the first MAX_FORETOLD waiting in the queue's last order count: the account costs their
+        number squared."""
+        done, until = 0, {}
+        for seq in self.started_prompts():
+            done += self.num_pending_tokens(seq)
+            until[seq.request_id] = done
         prompts = itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD)
         pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
-        clock, until = self.work_done + done, {}
+        clock = self.work_done + done
         while pending:
             if self.prompt_batch_tokens is None:
                 request_id = next(iter(pending))
@@ -164,6 +167,10 @@ class Scheduler:
             clock, done = clock + work, done + work
             until[request_id] = done
         return until
+
+    def started_prompts(self) -> list[Sequence]:
+        """Submitted prompts whose prefill has begun and not yet ended, in the order they are served."""
+        return [s for s in self.running if not s.is_draft and s.num_computed_tokens < s.num_prompt_tokens]
 
     def _victim(self, seq: Sequence, served: set[int]) -> Sequence:
         """Whom to preempt so that `seq` fits: not one served this step; a draft first, then the newest."""

@@ -46,8 +46,6 @@ from pdrt.wire import (
 
 log = structlog.get_logger(__name__)
 
-ACCOUNT_REFRESH_S = 0.1  # gateways read it with the heartbeats, 4 times a second
-
 
 class PrefillWorker(EngineWorker):
     role = "prefill"
@@ -62,8 +60,7 @@ class PrefillWorker(EngineWorker):
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
         self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
         self.catch_up: CatchUp | None = None  # set by pdrt.process for a model that small
-        self.account: dict[str, int] = {}  # the scheduler's first_token_work, as of account_at
-        self.account_at = 0.0
+        self.unadded: dict[str, PrefillRequest] = {}  # admitted while a step ran, its op not run yet
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):
@@ -80,6 +77,7 @@ class PrefillWorker(EngineWorker):
         elif isinstance(message, Abort):
             self.drop_draft(message.request_id)
             self.arrived.pop(message.request_id, None)
+            self.unadded.pop(message.request_id, None)
             if self.requests.pop(message.request_id, None) is not None:
                 self.reply_to.pop(message.request_id, None)
                 self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
@@ -91,8 +89,11 @@ class PrefillWorker(EngineWorker):
         self.requests[rid] = request
         self.reply_to[rid] = request.reply_to
         self.arrived[rid] = time.monotonic()
+        self.unadded[rid] = request
 
         def add() -> None:
+            if self.unadded.pop(rid, None) is None:
+                return  # withdrawn before it was added
             try:
                 self.engine.add_prefill(rid, request.token_ids, request.params)
             except Exception:
@@ -111,13 +112,15 @@ class PrefillWorker(EngineWorker):
         """
         rid = message.request_id
         seq = self.engine.sequences.get(rid)
-        if not (rid in self.requests and seq is not None and seq.status is SequenceStatus.WAITING):
+        waits = rid in self.unadded or (seq is not None and seq.status is SequenceStatus.WAITING)
+        if not (rid in self.requests and waits):
             self.outbox.send(message.reply_to, Withdrawn(rid, False))
         elif self.outbox.send(message.reply_to, Withdrawn(rid, True)):  # undelivered, it stays: nothing is lost
             del self.requests[rid]
             self.arrived.pop(rid, None)
             self.reply_to.pop(rid, None)
-            self.queue_op(rid, lambda: self.engine.abort(rid))
+            if self.unadded.pop(rid, None) is None:
+                self.queue_op(rid, lambda: self.engine.abort(rid))
 
     def on_submitted(self, submitted: DraftSubmitted) -> None:
         self.requests[submitted.draft_id] = PrefillRequest(submitted.draft_id, submitted.token_ids, submitted.params,
@@ -145,13 +148,13 @@ class PrefillWorker(EngineWorker):
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
 
     def _measure_load(self) -> Load:
-        """The load, with the queue's account for the gateways' moves of late prompts: remade at most every
-        ACCOUNT_REFRESH_S (it costs its prompts' number squared, and the load is measured after every op too)."""
+        """The load, with the queue's account for the gateways' moves of late prompts, remade whenever the load
+        is (after each op batch, and between steps): a prompt is in it from the first heartbeat after it was
+        added, not a step later. It costs the square of the waiting prompts, up to MAX_FORETOLD."""
         load = super()._measure_load()
-        now = time.monotonic()
-        if now - self.account_at >= ACCOUNT_REFRESH_S:
-            self.account, self.account_at = self.engine.scheduler.first_token_work(), now
-        load.first_token_work = self.account
+        scheduler = self.engine.scheduler
+        load.first_token_work = scheduler.first_token_work()
+        load.prefilling = [seq.request_id for seq in scheduler.started_prompts()]
         return load
 
     def _release(self, request_id: str, acked: bool = True) -> None:

@@ -204,13 +204,16 @@ class RequestTable:
             elif other.decode is None and other.prefill.process_id == decode.process_id:
                 others.append(other)
                 local_tokens += 0 if other.has_tokens else len(other.prompt_token_ids)
-        uncached = len(req.prompt_token_ids) - self.prefixes.cached_tokens(decode.process_id,
-                                                                          req.block_keys(self.prefixes))
+        uncached = self._uncached_tokens(req, decode.process_id)
         seconds = (local_tokens + uncached) / (decode.load.prefill_tokens_per_s or prefill_rate)
         if others and not stall_fits(others, seconds, decode.load.decode_step_s, tpot_bound(self.config, decode.load),
                                      now):
             return None
         return seconds
+
+    def _uncached_tokens(self, req: GatewayRequest, process_id: str) -> int:
+        """The tokens of `req`'s prompt that worker `process_id` would compute: those past the prefix it holds."""
+        return len(req.prompt_token_ids) - self.prefixes.cached_tokens(process_id, req.block_keys(self.prefixes))
 
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
@@ -244,11 +247,19 @@ class RequestTable:
             prefill = self.router.workers.get(process_id)
             if prefill is None or prefill.load.prefill_tokens_per_s <= 0.0:
                 continue
-            rate = prefill.load.prefill_tokens_per_s
-            seconds = first_token_seconds(prefill.load.first_token_work,
-                                          lambda rid, q=queue: rid.startswith(ours) and rid not in q, rate)
+            rate, account = prefill.load.prefill_tokens_per_s, prefill.load.first_token_work
+            started = set(prefill.load.prefilling)
+            seconds = first_token_seconds(account, lambda rid, q=queue: rid.startswith(ours) and rid not in q, rate)
             waiting = [(queue[rid], s) for rid, s in seconds.items() if rid in queue]
-            req = prompt_to_move(waiting, self.config.ttft_slo_s, now, lambda r, rate=rate: seconds_on_decode(r, rate))
+            # Prompts sent since the account was made (or past its MAX_FORETOLD) come after all it holds.
+            tail = max(seconds.values(), default=0.0)
+            for rid, req in queue.items():
+                if rid not in account:
+                    tail += self._uncached_tokens(req, process_id) / rate
+                    waiting.append((req, tail))
+            req = prompt_to_move(waiting, self.config.ttft_slo_s, now,
+                                 lambda r, rate=rate, started=started:
+                                 None if r.internal_id in started else seconds_on_decode(r, rate))
             if req is not None and req.prefill is not None and req.decode is not None \
                     and self.outbox.send(req.prefill.address, Withdraw(req.internal_id, self.inbox_address)):
                 req.withdrawing = True
