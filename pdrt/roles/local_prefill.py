@@ -76,8 +76,9 @@ def stall_fits(streams: Iterable[GatewayRequest], stall_s: float, step_s: float,
 
 def first_token_seconds(work_until: dict[str, int], gone: Callable[[str], bool], tokens_per_s: float
                         ) -> dict[str, float]:
-    """A prefill worker's account of its waiting prompts (`Load.first_token_work`) as seconds until each one's
-    first token, at `tokens_per_s`; the work of prompts `gone` from it since (moved, cancelled) taken out."""
+    """A prefill worker's account of its prompts without a first token (`Load.first_token_work`) as seconds until
+    each one's first token, at `tokens_per_s`; the work of prompts `gone` from it since (moved, cancelled) taken
+    out."""
     seconds: dict[str, float] = {}
     previous = removed = 0
     for request_id, work in sorted(work_until.items(), key=lambda item: item[1]):

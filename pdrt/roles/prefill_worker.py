@@ -60,7 +60,7 @@ class PrefillWorker(EngineWorker):
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
         self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
         self.catch_up: CatchUp | None = None  # set by pdrt.process for a model that small
-        self.unadded: dict[str, PrefillRequest] = {}  # admitted while a step ran, its op not run yet
+        self.unadded: set[str] = set()  # admitted while a step ran: their add op has not run yet
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):
@@ -77,7 +77,7 @@ class PrefillWorker(EngineWorker):
         elif isinstance(message, Abort):
             self.drop_draft(message.request_id)
             self.arrived.pop(message.request_id, None)
-            self.unadded.pop(message.request_id, None)
+            self.unadded.discard(message.request_id)
             if self.requests.pop(message.request_id, None) is not None:
                 self.reply_to.pop(message.request_id, None)
                 self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
@@ -89,11 +89,12 @@ class PrefillWorker(EngineWorker):
         self.requests[rid] = request
         self.reply_to[rid] = request.reply_to
         self.arrived[rid] = time.monotonic()
-        self.unadded[rid] = request
+        self.unadded.add(rid)
 
         def add() -> None:
-            if self.unadded.pop(rid, None) is None:
-                return  # withdrawn before it was added
+            if rid not in self.unadded:
+                return  # withdrawn or aborted before it was added
+            self.unadded.discard(rid)
             try:
                 self.engine.add_prefill(rid, request.token_ids, request.params)
             except Exception:
@@ -119,7 +120,9 @@ class PrefillWorker(EngineWorker):
             del self.requests[rid]
             self.arrived.pop(rid, None)
             self.reply_to.pop(rid, None)
-            if self.unadded.pop(rid, None) is None:
+            if rid in self.unadded:
+                self.unadded.discard(rid)  # its add will find it gone
+            else:
                 self.queue_op(rid, lambda: self.engine.abort(rid))
 
     def on_submitted(self, submitted: DraftSubmitted) -> None:
