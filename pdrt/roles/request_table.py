@@ -234,11 +234,11 @@ class RequestTable:
                 queues[req.prefill.process_id][req.internal_id] = req
         taken: set[str] = set()  # decode workers asked to take a prompt this tick
 
-        def seconds_on_decode(req: GatewayRequest, prefill_rate: float) -> float | None:
+        def seconds_on_decode(req: GatewayRequest, prefill_rate: float, started: set[str]) -> float | None:
             assert req.decode is not None
             decode = self.router.workers.get(req.decode.process_id)
             if decode is None or decode.process_id in taken or req.pinned or req.withdrawing \
-                    or req.preferred is not None:
+                    or req.preferred is not None or req.internal_id in started:
                 return None
             return self._seconds_on_decode(req, decode, prefill_rate, now)
 
@@ -258,8 +258,7 @@ class RequestTable:
                     tail += self._uncached_tokens(req, process_id) / rate
                     waiting.append((req, tail))
             req = prompt_to_move(waiting, self.config.ttft_slo_s, now,
-                                 lambda r, rate=rate, started=started:
-                                 None if r.internal_id in started else seconds_on_decode(r, rate))
+                                 lambda r, rate=rate, started=started: seconds_on_decode(r, rate, started))
             if req is not None and req.prefill is not None and req.decode is not None \
                     and self.outbox.send(req.prefill.address, Withdraw(req.internal_id, self.inbox_address)):
                 req.withdrawing = True
