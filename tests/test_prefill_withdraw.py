@@ -24,11 +24,7 @@ def worker(model_dirs):
     made = PrefillWorker(config, "prefill-0", "test", ctx, "withdraw-test")
     yield made
     made.inbox.close()
-    made.outbox.close()
-    made.executor.shutdown()
-    if made.ledger is not None:
-        made.ledger.close()
-    made.close()
+    made.shut_down()
     ctx.destroy(linger=0)
 
 

@@ -279,11 +279,16 @@ class EngineWorker(Actor):
             self.link.close()
             self.inbox.close()
             await self._ref.stop()
-            self.executor.shutdown(wait=True)
-            self.outbox.close()
-            if self.ledger is not None:
-                self.ledger.close()
-            self.close()
+            self.shut_down()
+
+    def shut_down(self) -> None:
+        """Once nothing delivers to it any more: wait out the engine thread, then close the sends, the thread
+        ledger and what the role holds (`close`)."""
+        self.executor.shutdown(wait=True)
+        self.outbox.close()
+        if self.ledger is not None:
+            self.ledger.close()
+        self.close()
 
     def close(self) -> None:
         """Release what the role holds beyond the engine (transfer endpoints, shared memory)."""
