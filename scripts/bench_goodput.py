@@ -55,6 +55,7 @@ from pathlib import Path
 from transformers.utils.import_utils import is_serve_available
 
 from pdrt.bench import BenchOptions, RateResult, Slo, Target, goodput, make_driver, percentile, plan, run_rate
+from pdrt.bench.cpu_meter import CpuMeter, CpuUsage
 from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
 from pdrt.bench.workloads import LengthLimits
@@ -94,10 +95,12 @@ FULL = Settings(duration_s=25, repeats=2, length_scale=1.0, max_steps=9, pilot_r
 
 @dataclass(slots=True)
 class Ladder:
-    """One system's climb: the (rate, attainment) points, its runs, and the goodput read off them."""
+    """One system's climb: the (rate, attainment) points, its runs, the goodput read off them, and the CPU
+    each rate used (None off Linux)."""
 
     name: str
     runs: list[RateResult] = field(default_factory=list)
+    cpu: list[CpuUsage | None] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:
@@ -135,6 +138,11 @@ class PdrtServer:
         if protocol == "native":
             return Target(self.node.address)
         return Target(f"http://127.0.0.1:{self.http_port}/v1")
+
+    @property
+    def pid(self) -> int:
+        assert self.node.process is not None
+        return self.node.process.pid
 
     def stop(self) -> None:
         self.node.stop()
@@ -174,6 +182,11 @@ class HfServer:
     def target(self, protocol: str) -> Target:
         return Target(f"http://127.0.0.1:{self.port}/v1", model=self.model)
 
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -210,11 +223,12 @@ async def warm_up(target: Target, settings: Settings) -> None:
 
 
 async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_rate: float, seed: int,
-                salt: str) -> Ladder:
+                salt: str, meter: CpuMeter) -> Ladder:
     """Rates doubling from start_rate until attainment misses the target, then rates between the last that
     met it and the first that missed (their geometric mean) until the two are within BRACKET of each other,
     so goodput is interpolated over a bracket of at most BRACKET (2 rates more). A system that misses at the
-    first rate halves it instead (3 times at most) until it meets the target."""
+    first rate halves it instead (3 times at most) until it meets the target. `meter` reads the CPU each rate
+    used, printed after its figures: where a server breaks with cores idle, it has time to win back."""
     driver, info = await _open(target)
     ladder = Ladder(name)
 
@@ -222,13 +236,16 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
         if ladder.runs:
             await asyncio.sleep(1.0)
         num = max(MIN_REQUESTS, round(rate * settings.duration_s))
+        meter.start()
         run = await run_rate(driver, info, options_for(settings, slo, seed, num_requests=num), rate,
                              f"{salt}:{rate:.4g}")
+        cpu = meter.read()
         ladder.runs.append(run)
+        ladder.cpu.append(cpu)
         s = run.summary
         log(f"{name}: {rate:.3g} req/s: attainment {s.attainment:.0%} (TTFT {s.ttft_attainment:.0%}, TPOT "
             f"{s.tpot_attainment:.0%}), TTFT p90 {ms(s.ttft.p90)}, TPOT p90 {ms(s.tpot.p90)}, "
-            f"{s.output_throughput:.0f} tok/s, {s.num_failed} failed")
+            f"{s.output_throughput:.0f} tok/s, {s.num_failed} failed" + (f"; {cpu.describe()}" if cpu else ""))
         return s.attainment
 
     try:
@@ -370,7 +387,9 @@ def run_system(factory, protocol: str, settings: Settings, slo: Slo, start_rate:
     try:
         target = server.target(protocol)
         asyncio.run(warm_up(target, settings))
-        return asyncio.run(climb(name, target, settings, slo, start_rate, seed, salt))
+        meter = CpuMeter({server.pid: "supervisor" if isinstance(server, PdrtServer) else "transformers serve",
+                          os.getpid(): "client"})
+        return asyncio.run(climb(name, target, settings, slo, start_rate, seed, salt, meter))
     finally:
         server.stop()
 
@@ -508,6 +527,11 @@ def main() -> None:
     hf_modes = {"both": [True, False], "cb": [True], "no-cb": [False]}[args.hf]
     goodputs: dict[str, list[float]] = {"disaggregated": [], "colocated": [], "hf": []}
     ladders: dict[str, Ladder] = {}
+    cpu: dict[str, list[list[dict]]] = {"disaggregated": [], "colocated": [], "hf": []}  # per round, per rate
+
+    def keep_cpu(key: str, ladder: Ladder) -> None:
+        cpu[key].append([{"rate": run.summary.rate, **usage.as_dict()}
+                         for run, usage in zip(ladder.runs, ladder.cpu, strict=True) if usage is not None])
     hf_choice: bool | None = None
     hf_all: dict[str, float] = {}
     for repeat in range(settings.repeats if "goodput" in parts else 0):
@@ -519,6 +543,7 @@ def main() -> None:
                                 f"pdrt {name}")
             goodputs[name].append(ladder.goodput)
             ladders.setdefault(name, ladder)
+            keep_cpu(name, ladder)
         if "hf" not in systems:
             continue
         modes = hf_modes if hf_choice is None else [hf_choice]
@@ -534,6 +559,7 @@ def main() -> None:
         hf_choice = best[1] if hf_choice is None else hf_choice
         goodputs["hf"].append(best[0])
         ladders.setdefault("hf", best[2])
+        keep_cpu("hf", best[2])
 
     # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in: 0.6x the lower
     # of their goodputs. (Until 2026-12-03 it was 0.6x colocated's, which on the tiny model put the chat stream
@@ -599,7 +625,7 @@ def main() -> None:
         print(f"  pdrt {name:14s} {median_ratio(runs):.2f}   ({cells})")
     with open(out / f"{model_name.split()[0]}-summary.json", "w") as f:
         json.dump({"date": started.isoformat(), "model": model_name, "settings": str(settings),
-                   "slo": [slo.ttft_s, slo.tpot_s], "start_rate": start_rate, "goodput": goodputs,
+                   "slo": [slo.ttft_s, slo.tpot_s], "start_rate": start_rate, "goodput": goodputs, "cpu": cpu,
                    "hf_all": hf_all, "hf_continuous_batching": hf_choice, "interference": interference_runs,
                    "chat_rate": chat_rate, "long_rate": long_rate}, f, indent=1)
 
