@@ -83,8 +83,9 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
 
 @pytest.mark.parametrize("toml", ["[prefill]\nnice = 20", "[decode]\nnice = -21",
                                   "[gateway]\nlocal_prefill_max_slowdown = 0.9", "[prefill]\ncatch_up_wait = 0",
-                                  "[prefill]\ncatch_up_wait = 1.5", "[prefill]\nprompt_batch_tokens = -1"])
-def test_out_of_range_priorities_and_slowdowns_are_refused(tmp_path: Path, toml: str):
+                                  "[prefill]\ncatch_up_wait = 1.5", "[prefill]\nprompt_batch_tokens = -1",
+                                  '[prefill]\nprompt_order = "fifo"'])
+def test_out_of_range_priorities_slowdowns_and_orders_are_refused(tmp_path: Path, toml: str):
     with pytest.raises(ConfigError):
         load(tmp_path, 'model = "/m"\n' + toml)
 

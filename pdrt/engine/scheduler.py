@@ -8,6 +8,9 @@ from pdrt.engine.block_manager import BlockManager
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 MAX_FORETOLD = 64  # waiting prompts in `Scheduler.first_token_work`
+# Prompts by deadline: one that has waited this many deadlines goes first, so a late prompt is not put off for as
+# long as prompts that can still be on time keep coming.
+OVERDUE_DEADLINES = 3
 
 
 @dataclass(slots=True)
@@ -60,7 +63,12 @@ class Scheduler:
     prompt is then the one of highest response ratio, (wait + work) / work,
     both counted in tokens computed (Brinch Hansen's HRRN): among prompts
     that waited alike the shortest goes first, and a long one's ratio keeps
-    growing until it does.
+    growing until it does. With `deadline_work` set (the TTFT SLO in tokens
+    computed, which the worker keeps up to date), prompts go in the order
+    that leaves the fewest past it (Moore and Hodgson's: by arrival, each
+    prompt that would be late putting the longest so far behind the rest),
+    so a burst's late first tokens fall on its longest prompts; a prompt
+    that has waited OVERDUE_DEADLINES goes first.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -77,6 +85,7 @@ class Scheduler:
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
         self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in (prompts one by one)
+        self.deadline_work: int | None = None  # a prompt's first token is late this many tokens after it came
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -144,19 +153,45 @@ class Scheduler:
         work = self._work(seq)
         return False, -(self.work_done - seq.queued_at_work + work) / work, work
 
+    def _deadline_order(self, work: dict[str, int], prompts: list[Sequence], clock: int) -> list[Sequence]:
+        """`prompts` (with their `work`) in the order that leaves the fewest first tokens late if the clock
+        starts at `clock` and none arrives meanwhile: Moore-Hodgson's over arrival order (the deadline is the
+        same for all), those that cannot be on time last, in arrival order; overdue ones before all."""
+        assert self.deadline_work is not None
+        by_arrival = sorted(prompts, key=lambda s: s.queued_at_work)
+        overdue = [s for s in by_arrival if clock - s.queued_at_work > OVERDUE_DEADLINES * self.deadline_work]
+        on_time: list[Sequence] = []
+        late: list[Sequence] = []
+        clock += sum(work[s.request_id] for s in overdue)
+        for seq in by_arrival[len(overdue):]:
+            on_time.append(seq)
+            clock += work[seq.request_id]
+            if clock > seq.queued_at_work + self.deadline_work:
+                longest = max(on_time, key=lambda s: work[s.request_id])
+                on_time.remove(longest)
+                late.append(longest)
+                clock -= work[longest.request_id]
+        return overdue + on_time + sorted(late, key=lambda s: s.queued_at_work)
+
     def first_token_work(self) -> dict[str, int]:
         """Each submitted prompt without its first token -> the prompt tokens this scheduler computes until
         that first token, if no other arrives: the started prompts' rest first (`started_prompts`), then the
-        waiting ones in the order it would start them (prompts one by one: by response ratio as its clock
-        advances). Only the first MAX_FORETOLD waiting in the queue's last order count: the account costs their
-        number squared."""
+        waiting ones in the order it would start them (prompts one by one: by deadline, or by response ratio
+        as its clock advances). Only the first MAX_FORETOLD waiting in the queue's last order count: the account
+        costs their number squared."""
         done, until = 0, {}
         for seq in self.started_prompts():
             done += self.num_pending_tokens(seq)
             until[seq.request_id] = done
-        prompts = itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD)
+        prompts = list(itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD))
         pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
         clock = self.work_done + done
+        if self.deadline_work is not None and self.prompt_batch_tokens is not None:
+            work = {request_id: w for request_id, (_, w) in pending.items()}
+            for seq in self._deadline_order(work, prompts, clock):
+                done += work[seq.request_id]
+                until[seq.request_id] = done
+            return until
         while pending:
             if self.prompt_batch_tokens is None:
                 request_id = next(iter(pending))
@@ -230,7 +265,13 @@ class Scheduler:
                 self._place(batch, seq, n)
                 served.add(id(seq))
                 budget -= n
-        if len(self.waiting) > 1 and (self.prompt_batch_tokens is not None or any(s.is_draft for s in self.waiting)):
+        if len(self.waiting) > 1 and self.deadline_work is not None and self.prompt_batch_tokens is not None:
+            prompts = [seq for seq in self.waiting if not seq.is_draft]
+            work = {seq.request_id: self._work(seq) for seq in prompts}
+            clock = self.work_done + sum(self.num_pending_tokens(seq) for seq in self.started_prompts())
+            self.waiting = deque(self._deadline_order(work, prompts, clock)
+                                 + [seq for seq in self.waiting if seq.is_draft])
+        elif len(self.waiting) > 1 and (self.prompt_batch_tokens is not None or any(s.is_draft for s in self.waiting)):
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -156,6 +156,8 @@ class PrefillWorker(EngineWorker):
         added, not a step later. It costs the square of the waiting prompts, up to MAX_FORETOLD."""
         load = super()._measure_load()
         scheduler = self.engine.scheduler
+        if self.config.prefill.prompt_order == "deadline" and load.prefill_tokens_per_s > 0.0:
+            scheduler.deadline_work = round(self.config.gateway.ttft_slo_s * load.prefill_tokens_per_s)
         load.first_token_work = scheduler.first_token_work()
         load.prefilling = [seq.request_id for seq in scheduler.started_prompts()]
         return load
