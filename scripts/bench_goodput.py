@@ -34,6 +34,9 @@ the same chat stream alone; for disaggregated and colocated. The two plans are m
 time and the records split by index (pdrt.bench.run_rate with requests=...); alone and mixed
 alternate in slices of about SLICE_S seconds, and each pools its slices' records.
 
+Each rate's line ends with the CPU it used (pdrt.bench.cpu_meter): the machine's busy cores, each process's
+share, and the cores the hypervisor gave to other guests.
+
 The last line: `goodput disagg_vs_colocated=X disagg_vs_hf=Y interference_disagg=Z interference_colocated=W`.
 """
 

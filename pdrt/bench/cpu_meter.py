@@ -63,17 +63,20 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[11]) + int(fields[12])
 
 
-def _name(pid: int) -> str:
+def _name(pid: int) -> str | None:
     """`prefill-0` for `python -m pdrt.process prefill-0`; for another Python program its module or script
-    (`transformers` for `python .../bin/transformers serve`); otherwise the program's base name."""
+    (`transformers` for `python .../bin/transformers serve`); None for `python -c` (how multiprocessing
+    starts its children); otherwise the program's base name."""
     try:
         argv = (PROC / str(pid) / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     except OSError:
         return str(pid)
     args = [a.decode(errors="replace") for a in argv]
     program = Path(args[0]).name
-    if not program.startswith("python") or "-c" in args:
+    if not program.startswith("python"):
         return program
+    if "-c" in args:
+        return None
     if "pdrt.process" in args[:-1]:
         return args[args.index("pdrt.process") + 1]
     if "-m" in args[:-1]:
@@ -83,7 +86,8 @@ def _name(pid: int) -> str:
 
 
 class CpuMeter:
-    """Samples the machine and every process of the trees under `roots` (a server's supervisor, this client)."""
+    """Samples the machine and every process of the trees under `roots` (a server's supervisor, this client);
+    a process is named by `_name`, a nameless one after its tree's root ("transformers serve child")."""
 
     def __init__(self, roots: dict[int, str]) -> None:
         self.roots = roots  # pid -> name for the root process itself ("client"; children get their own names)
@@ -105,7 +109,8 @@ class CpuMeter:
             while ancestor not in self.roots and ancestor in parents and parents[ancestor] > 1:
                 ancestor = parents[ancestor]
             if ancestor in self.roots:
-                processes[pid] = (self.roots[pid] if pid in self.roots else _name(pid), ticks[pid])
+                name = self.roots.get(pid) or _name(pid) or f"{self.roots[ancestor]} child"
+                processes[pid] = (name, ticks[pid])
         return _Sample(time.monotonic(), *_machine_ticks(), processes)
 
     def start(self) -> None:
