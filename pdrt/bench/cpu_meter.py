@@ -117,7 +117,8 @@ class CpuMeter:
         self._start = self._sample() if self.available() else None
 
     def read(self) -> CpuUsage | None:
-        """Cores used since `start()`, by process name (processes of one name summed); None off Linux."""
+        """Cores used since `start()`, by process name (processes of one name summed; one that ended in the
+        span is missing from its name's share, not from `busy`); None off Linux."""
         if self._start is None:
             return None
         end = self._sample()
