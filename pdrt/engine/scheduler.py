@@ -153,11 +153,16 @@ class Scheduler:
         work = self._work(seq)
         return False, -(self.work_done - seq.queued_at_work + work) / work, work
 
-    def _deadline_order(self, work: dict[str, int], prompts: list[Sequence], clock: int) -> list[Sequence]:
-        """`prompts` (with their `work`) in the order that leaves the fewest first tokens late if the clock
+    @property
+    def _by_deadline(self) -> bool:
+        return self.deadline_work is not None and self.prompt_batch_tokens is not None
+
+    def _deadline_order(self, prompts: list[Sequence], clock: int) -> list[tuple[Sequence, int]]:
+        """`prompts`, each with its work, in the order that leaves the fewest first tokens late if the clock
         starts at `clock` and none arrives meanwhile: Moore-Hodgson's over arrival order (the deadline is the
         same for all), those that cannot be on time last, in arrival order; overdue ones before all."""
         assert self.deadline_work is not None
+        work = {seq.request_id: self._work(seq) for seq in prompts}
         by_arrival = sorted(prompts, key=lambda s: s.queued_at_work)
         overdue = [s for s in by_arrival if clock - s.queued_at_work > OVERDUE_DEADLINES * self.deadline_work]
         on_time: list[Sequence] = []
@@ -171,7 +176,8 @@ class Scheduler:
                 on_time.remove(longest)
                 late.append(longest)
                 clock -= work[longest.request_id]
-        return overdue + on_time + sorted(late, key=lambda s: s.queued_at_work)
+        order = overdue + on_time + sorted(late, key=lambda s: s.queued_at_work)
+        return [(seq, work[seq.request_id]) for seq in order]
 
     def first_token_work(self) -> dict[str, int]:
         """Each submitted prompt without its first token -> the prompt tokens this scheduler computes until
@@ -184,14 +190,13 @@ class Scheduler:
             done += self.num_pending_tokens(seq)
             until[seq.request_id] = done
         prompts = list(itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD))
-        pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
         clock = self.work_done + done
-        if self.deadline_work is not None and self.prompt_batch_tokens is not None:
-            work = {request_id: w for request_id, (_, w) in pending.items()}
-            for seq in self._deadline_order(work, prompts, clock):
-                done += work[seq.request_id]
+        if self._by_deadline:
+            for seq, work in self._deadline_order(prompts, clock):
+                done += work
                 until[seq.request_id] = done
             return until
+        pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
         while pending:
             if self.prompt_batch_tokens is None:
                 request_id = next(iter(pending))
@@ -265,12 +270,10 @@ class Scheduler:
                 self._place(batch, seq, n)
                 served.add(id(seq))
                 budget -= n
-        if len(self.waiting) > 1 and self.deadline_work is not None and self.prompt_batch_tokens is not None:
-            prompts = [seq for seq in self.waiting if not seq.is_draft]
-            work = {seq.request_id: self._work(seq) for seq in prompts}
+        if len(self.waiting) > 1 and self._by_deadline:
             clock = self.work_done + sum(self.num_pending_tokens(seq) for seq in self.started_prompts())
-            self.waiting = deque(self._deadline_order(work, prompts, clock)
-                                 + [seq for seq in self.waiting if seq.is_draft])
+            prompts = self._deadline_order([seq for seq in self.waiting if not seq.is_draft], clock)
+            self.waiting = deque([seq for seq, _ in prompts] + [seq for seq in self.waiting if seq.is_draft])
         elif len(self.waiting) > 1 and (self.prompt_batch_tokens is not None or any(s.is_draft for s in self.waiting)):
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
