@@ -1,5 +1,6 @@
 """Chooses the work of each engine step and applies its results."""
 
+import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -165,18 +166,20 @@ class Scheduler:
         work = {seq.request_id: self._work(seq) for seq in prompts}
         by_arrival = sorted(prompts, key=lambda s: s.queued_at_work)
         overdue = [s for s in by_arrival if clock - s.queued_at_work > OVERDUE_DEADLINES * self.deadline_work]
-        on_time: list[Sequence] = []
-        late: list[Sequence] = []
+        rest = by_arrival[len(overdue):]
+        longest_first: list[tuple[int, int]] = []  # (-work, arrival index) of those kept on time: a max-heap
+        late: list[int] = []
         clock += sum(work[s.request_id] for s in overdue)
-        for seq in by_arrival[len(overdue):]:
-            on_time.append(seq)
+        for i, seq in enumerate(rest):
+            heapq.heappush(longest_first, (-work[seq.request_id], i))
             clock += work[seq.request_id]
             if clock > seq.queued_at_work + self.deadline_work:
-                longest = max(on_time, key=lambda s: work[s.request_id])
-                on_time.remove(longest)
+                minus_work, longest = heapq.heappop(longest_first)  # of equal work, the first to arrive
                 late.append(longest)
-                clock -= work[longest.request_id]
-        order = overdue + on_time + sorted(late, key=lambda s: s.queued_at_work)
+                clock += minus_work
+        kept = set(range(len(rest))) - set(late)
+        on_time = [rest[i] for i in sorted(kept)]
+        order = overdue + on_time + sorted((rest[i] for i in late), key=lambda s: s.queued_at_work)
         return [(seq, work[seq.request_id]) for seq in order]
 
     def first_token_work(self) -> dict[str, int]:
