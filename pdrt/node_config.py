@@ -175,6 +175,7 @@ class PrefillGroup(WorkerGroup):
     # overdue. Measured with SmolLM2 on two cores (docs/benchmarks.md, 2026-12-05 night), "deadline" met the
     # TTFT SLO more often past the goodput rate (80% against 56-66% at 1.03 req/s), not at it (91% against
     # 77-94% at 0.868), and its decode streams' TPOT p99 under long prompts read 83-88 ms against 62-67.
+    # It needs prompts one by one: on a GPU, with prompt_batch_tokens set.
     prompt_order: str = "ratio"
 
 
@@ -235,6 +236,9 @@ class NodeConfig(_Table):
             raise ConfigError(f"[prefill] prompt_order must be ratio or deadline, got {self.prefill.prompt_order!r}")
         if self.prefill.prompt_batch_tokens is not None and self.prefill.prompt_batch_tokens < 0:
             raise ConfigError(f"[prefill] prompt_batch_tokens must be >= 0, got {self.prefill.prompt_batch_tokens}")
+        if self.prefill.prompt_order == "deadline" and self._prompt_batch_tokens("prefill") is None:
+            raise ConfigError('[prefill] prompt_order = "deadline" orders prompts taken one by one, and on a GPU '
+                              "they batch side by side: set [prefill] prompt_batch_tokens too")
         if self.gateway.local_prefill_max_tokens < 0 or self.gateway.local_prefill_queue_tokens < 0:
             raise ConfigError("[gateway] local_prefill_max_tokens and local_prefill_queue_tokens must be >= 0")
         if not self.gateway.local_prefill_max_slowdown >= 1.0:

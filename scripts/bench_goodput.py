@@ -32,7 +32,8 @@ Interference (pdrt only, native protocol: exact lengths): TPOT p99 of a chat str
 of long prompts (the summarization workload, near the 2048-token context) arrives, over TPOT p99 of
 the same chat stream alone; for disaggregated and colocated. The two plans are merged by arrival
 time and the records split by index (pdrt.bench.run_rate with requests=...); alone and mixed
-alternate in slices of about SLICE_S seconds, and each pools its slices' records.
+alternate in slices of about SLICE_S seconds, and each pools its slices' records. Each slice's pair of
+TPOT p99s goes to the JSON, and the CPU each process used is printed for each kind of slice, pooled.
 
 Each rate's line ends with the CPU it used (pdrt.bench.cpu_meter): the machine's busy cores, each process's
 share, and the cores the hypervisor gave to other guests.
@@ -303,13 +304,16 @@ async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
 
 
 async def interference(target: Target, settings: Settings, chat_rate: float, long_rate: float,
-                       seed: int) -> dict:
-    """TPOT p99 of the chat stream with the long prompts mixed in, and alone, in alternating slices."""
+                       seed: int, meter: CpuMeter) -> dict:
+    """TPOT p99 of the chat stream with the long prompts mixed in, and alone, in alternating slices; with each
+    slice's TPOT p99 and, pooled over the slices of each kind, the CPU each process used (`meter`)."""
     driver, info = await _open(target)
     loose = Slo(600, 600)
     num_slices = max(1, round(settings.interference_s / SLICE_S))
     slice_s = settings.interference_s / num_slices
     alone, mixed_chat, mixed_long, failed = [], [], [], 0
+    cpu: dict[str, list[CpuUsage]] = {"alone": [], "mixed": []}
+    slice_p99s = []
     try:
         for i in range(num_slices):
             slice_seed = seed + 1000 * i
@@ -322,25 +326,37 @@ async def interference(target: Target, settings: Settings, chat_rate: float, lon
             runs: dict[str, RateResult] = {}
             for kind in ("alone", "mixed") if i % 2 == 0 else ("mixed", "alone"):
                 requests = chat if kind == "alone" else [(t, s) for t, s, _ in merged]
+                meter.start()
                 runs[kind] = await run_rate(driver, info, chat_options, chat_rate, f"{kind}:{slice_seed}",
                                             requests=requests)
+                if (usage := meter.read()) is not None:
+                    cpu[kind].append(usage)
                 await asyncio.sleep(1.0)
             is_chat = [c for _, _, c in merged]
+            slice_p99s.append([p99(runs["alone"].records),
+                               p99([r for r in runs["mixed"].records if is_chat[r.index]])])
             alone += runs["alone"].records
             mixed_chat += [r for r in runs["mixed"].records if is_chat[r.index]]
             mixed_long += [r for r in runs["mixed"].records if not is_chat[r.index]]
             failed += sum(not r.ok for r in runs["alone"].records + runs["mixed"].records)
     finally:
         await driver.close()
-
-    def p99(records) -> float | None:
-        return percentile([r.tpot_s for r in records if r.tpot_s is not None], 99)
-
+    for kind, spans in cpu.items():
+        if (pooled := CpuUsage.pooled(spans)) is not None:
+            log(f"interference, chat {kind}: {pooled.describe()}")
     alone_p99, mixed_p99 = p99(alone), p99(mixed_chat)
     return {"tpot_p99_alone": alone_p99, "tpot_p99_mixed": mixed_p99,
             "ratio": mixed_p99 / alone_p99 if alone_p99 and mixed_p99 else float("nan"),
             "long_ttft_p50": percentile([r.ttft_s for r in mixed_long if r.ttft_s is not None], 50),
-            "num_long": len(mixed_long), "num_chat": len(mixed_chat), "slices": num_slices, "failed": failed}
+            "num_long": len(mixed_long), "num_chat": len(mixed_chat), "slices": num_slices, "failed": failed,
+            "slice_tpot_p99s": [[round(v, 5) if v is not None else None for v in pair] for pair in slice_p99s],
+            "cpu": {kind: pooled.as_dict() for kind, spans in cpu.items()
+                    if (pooled := CpuUsage.pooled(spans)) is not None}}
+
+
+def p99(records) -> float | None:
+    """TPOT p99 of the records that have a TPOT."""
+    return percentile([r.tpot_s for r in records if r.tpot_s is not None], 99)
 
 
 def ms(value: float | None) -> str:
@@ -587,7 +603,8 @@ def main() -> None:
             try:
                 target = server.target("native")
                 asyncio.run(warm_up(target, settings))
-                result = asyncio.run(interference(target, settings, chat_rate, long_rate, 300 + repeat))
+                meter = CpuMeter({server.pid: "supervisor", os.getpid(): "client"})
+                result = asyncio.run(interference(target, settings, chat_rate, long_rate, 300 + repeat, meter))
             finally:
                 server.stop()
             log(f"interference {name}: {result}")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdrt.bench.cpu_meter import CpuMeter
+from pdrt.bench.cpu_meter import CpuMeter, CpuUsage
 
 pytestmark = pytest.mark.skipif(not CpuMeter.available(), reason="needs /proc")
 
@@ -39,3 +39,13 @@ def test_names_each_process_of_the_tree_and_counts_what_it_used() -> None:
 
 def test_read_before_start_is_none() -> None:
     assert CpuMeter({os.getpid(): "client"}).read() is None
+
+
+def test_spans_pool_weighted_by_their_length_and_a_process_missing_from_one_counts_zero_there() -> None:
+    short = CpuUsage(2, 1.0, 2.0, 0.0, {"decode-0": 1.0, "prefill-0": 1.0})
+    long = CpuUsage(2, 3.0, 1.0, 0.4, {"decode-0": 1.0})
+    pooled = CpuUsage.pooled([short, long])
+    assert pooled is not None and (pooled.cores, pooled.seconds) == (2, 4.0)
+    assert (pooled.busy, pooled.stolen) == pytest.approx((1.25, 0.3))
+    assert pooled.processes == {"decode-0": 1.0, "prefill-0": 0.25}
+    assert CpuUsage.pooled([]) is None

@@ -111,3 +111,12 @@ def test_prefill_workers_on_the_cpu_alone_take_prompts_one_by_one_unless_told_ot
     assert on_gpu.engine_config("prefill").prompt_batch_tokens is None
     told = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"\n[prefill]\nprompt_batch_tokens = 256')
     assert told.engine_config("prefill").prompt_batch_tokens == 256
+
+
+def test_the_deadline_order_is_refused_where_prompts_batch_side_by_side(tmp_path: Path):
+    deadline = '\n[prefill]\nprompt_order = "deadline"'
+    assert load(tmp_path, 'model = "/m"' + deadline).prefill.prompt_order == "deadline"
+    with pytest.raises(ConfigError, match="prompt_batch_tokens"):
+        load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"' + deadline)
+    told = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"' + deadline + "\nprompt_batch_tokens = 256")
+    assert told.engine_config("prefill").prompt_batch_tokens == 256

@@ -32,6 +32,19 @@ class CpuUsage:
                                                                          key=lambda item: -item[1]))
         return f"CPU {self.busy:.2f} of {self.cores} cores busy ({parts}), {self.stolen:.2f} stolen"
 
+    @classmethod
+    def pooled(cls, spans: "list[CpuUsage]") -> "CpuUsage | None":
+        """The spans as one, each weighted by its length (slices of one kind, run apart); None for none."""
+        seconds = sum(span.seconds for span in spans)
+        if not spans or seconds <= 0:
+            return None
+        processes: dict[str, float] = {}
+        for span in spans:
+            for name, used in span.processes.items():
+                processes[name] = processes.get(name, 0.0) + used * span.seconds / seconds
+        return cls(spans[0].cores, seconds, sum(span.busy * span.seconds for span in spans) / seconds,
+                   sum(span.stolen * span.seconds for span in spans) / seconds, processes)
+
     def as_dict(self) -> dict:
         return {"cores": self.cores, "seconds": round(self.seconds, 2), "busy": round(self.busy, 3),
                 "stolen": round(self.stolen, 3),
