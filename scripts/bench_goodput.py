@@ -341,17 +341,16 @@ async def interference(target: Target, settings: Settings, chat_rate: float, lon
             failed += sum(not r.ok for r in runs["alone"].records + runs["mixed"].records)
     finally:
         await driver.close()
-    for kind, spans in cpu.items():
-        if (pooled := CpuUsage.pooled(spans)) is not None:
-            log(f"interference, chat {kind}: {pooled.describe()}")
+    pooled = {kind: usage for kind, spans in cpu.items() if (usage := CpuUsage.pooled(spans)) is not None}
+    for kind, usage in pooled.items():
+        log(f"interference, chat {kind}: {usage.describe()}")
     alone_p99, mixed_p99 = p99(alone), p99(mixed_chat)
     return {"tpot_p99_alone": alone_p99, "tpot_p99_mixed": mixed_p99,
             "ratio": mixed_p99 / alone_p99 if alone_p99 and mixed_p99 else float("nan"),
             "long_ttft_p50": percentile([r.ttft_s for r in mixed_long if r.ttft_s is not None], 50),
             "num_long": len(mixed_long), "num_chat": len(mixed_chat), "slices": num_slices, "failed": failed,
             "slice_tpot_p99s": [[round(v, 5) if v is not None else None for v in pair] for pair in slice_p99s],
-            "cpu": {kind: pooled.as_dict() for kind, spans in cpu.items()
-                    if (pooled := CpuUsage.pooled(spans)) is not None}}
+            "cpu": {kind: usage.as_dict() for kind, usage in pooled.items()}}
 
 
 def p99(records) -> float | None:
