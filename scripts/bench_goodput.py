@@ -333,10 +333,10 @@ async def interference(target: Target, settings: Settings, chat_rate: float, lon
                     cpu[kind].append(usage)
                 await asyncio.sleep(1.0)
             is_chat = [c for _, _, c in merged]
-            slice_p99s.append([p99(runs["alone"].records),
-                               p99([r for r in runs["mixed"].records if is_chat[r.index]])])
+            slice_chat = [r for r in runs["mixed"].records if is_chat[r.index]]
+            slice_p99s.append([p99(runs["alone"].records), p99(slice_chat)])
             alone += runs["alone"].records
-            mixed_chat += [r for r in runs["mixed"].records if is_chat[r.index]]
+            mixed_chat += slice_chat
             mixed_long += [r for r in runs["mixed"].records if not is_chat[r.index]]
             failed += sum(not r.ok for r in runs["alone"].records + runs["mixed"].records)
     finally:

@@ -177,8 +177,8 @@ class Scheduler:
                 minus_work, longest = heapq.heappop(longest_first)  # of equal work, the first to arrive
                 late.append(longest)
                 clock += minus_work
-        kept = set(range(len(rest))) - set(late)
-        on_time = [rest[i] for i in sorted(kept)]
+        moved = set(late)
+        on_time = [seq for i, seq in enumerate(rest) if i not in moved]
         order = overdue + on_time + sorted((rest[i] for i in late), key=lambda s: s.queued_at_work)
         return [(seq, work[seq.request_id]) for seq in order]
 
