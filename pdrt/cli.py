@@ -191,6 +191,13 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
 
 
+def cmd_key(args: argparse.Namespace) -> int:
+    from pdrt.actors.cluster_key import ClusterKey
+
+    print(ClusterKey.generate().text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdrt", description="prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="serve: start this node's processes and keep them running")
     add_arguments(up)
     up.set_defaults(func=run_up)
+
+    key = sub.add_parser("key", help="print a new cluster key (PDRT_CLUSTER_KEY: the same on every node of a "
+                                     "cluster)")
+    key.set_defaults(func=cmd_key)
 
     from pdrt.deploy import systemd as deploy_systemd
 

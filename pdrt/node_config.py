@@ -9,6 +9,9 @@ variables and then by command-line flags. Every table and key is optional:
     mode = "disaggregated"                    # or "colocated"
     transfer = "auto"                         # KV handoff: "auto" (shm where the decode worker shares the
                                               # host, else tcp), "shm" (same host only) or "tcp"
+    cluster_key = ""                          # authenticates the internal plane (`pdrt key` makes one);
+                                              # `pdrt up` makes one per run when empty; every node of a
+                                              # cluster needs the same (better: PDRT_CLUSTER_KEY)
 
     [gateway]
     port = 7100
@@ -71,6 +74,7 @@ from pathlib import Path
 
 import msgspec
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_PREFILL_CHUNK, EngineConfig
 from pdrt.errors import ConfigError
 
@@ -202,6 +206,7 @@ class NodeConfig(_Table):
     node: str = ""
     mode: str = "disaggregated"
     transfer: str = "auto"
+    cluster_key: str = ""  # pdrt/actors/cluster_key.py; `pdrt up` makes one per run when empty
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
@@ -215,6 +220,7 @@ class NodeConfig(_Table):
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.transfer not in TRANSFERS:
             raise ConfigError(f"transfer must be one of {', '.join(TRANSFERS)}, got {self.transfer!r}")
+        ClusterKey.parse(self.cluster_key)  # raises ConfigError for a malformed key
         for name in WORKER_ROLES:
             if getattr(self, name).count < 0:
                 raise ConfigError(f"[{name}] count must be >= 0")
@@ -256,6 +262,11 @@ class NodeConfig(_Table):
     @property
     def controller_address(self) -> str:
         return f"tcp://{self.controller.host or self.host}:{self.controller.port}"
+
+    @property
+    def key(self) -> ClusterKey | None:
+        """The cluster key of the internal plane; None: plain sockets (processes started outside `pdrt up`)."""
+        return ClusterKey.parse(self.cluster_key)
 
     def ephemeral_address(self) -> str:
         """Where a process binds a socket whose port others learn from the controller."""
@@ -338,12 +349,13 @@ ENVIRONMENT = {
     "PDRT_WARMUP_PORT": ("warmup", "port"),
     "PDRT_HTTP_PORT": ("gateway", "http_port"),
     "PDRT_API_KEY": ("gateway", "api_key"),
+    "PDRT_CLUSTER_KEY": ("cluster_key",),
 }
 
 
 # Secrets a process also takes from its own environment when it starts (systemd passes them with
 # EnvironmentFile=), so that they need not be written into the config JSON it reads.
-SECRET_ENVIRONMENT = ("PDRT_WARMUP_KEY", "PDRT_API_KEY")
+SECRET_ENVIRONMENT = ("PDRT_WARMUP_KEY", "PDRT_API_KEY", "PDRT_CLUSTER_KEY")
 
 
 def with_secrets(config: NodeConfig, environ: dict[str, str] | None = None) -> NodeConfig:

@@ -4,8 +4,9 @@ NAME is "controller", "gateway" or a worker such as "prefill-0", "decode-1",
 "colocated-0". The node config comes as JSON in the file named by
 `PDRT_NODE_CONFIG`; `PDRT_RUN_ID` names this run (shared-memory segments
 carry it, so the supervisor can clean up after a crashed worker). Secrets
-set in the environment (`PDRT_WARMUP_KEY`, `PDRT_API_KEY`: a systemd unit's
-EnvironmentFile) take the place of the JSON's. SIGTERM or
+set in the environment (`PDRT_WARMUP_KEY`, `PDRT_API_KEY`, `PDRT_CLUSTER_KEY`:
+a systemd unit's EnvironmentFile) take the place of the JSON's; a process
+without a cluster key refuses to start. SIGTERM or
 SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
 controller's registry. A worker takes the CPU priority of its group
@@ -87,6 +88,9 @@ def _worker(config: NodeConfig, name: str, role: str, incarnation: str, ctx: zmq
 
 
 async def serve(config: NodeConfig, name: str, run_id: str) -> None:
+    if config.key is None:
+        raise ConfigError("no cluster key: the internal plane admits only its holders. `pdrt up` makes one per run; "
+                          "for units or other launchers, set PDRT_CLUSTER_KEY (`pdrt key` makes one)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     configure_logging(process=name)
-    try:
-        path = os.environ["PDRT_NODE_CONFIG"]
-        with open(path, "rb") as f:
-            config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY
-        run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
-    except KeyError:
+    path = os.environ.get("PDRT_NODE_CONFIG")
+    if path is None:
         log.error("PDRT_NODE_CONFIG is not set; this process is started by `pdrt up`")
         return 2
+    try:
+        with open(path, "rb") as f:
+            config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY, ...
+        run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
     except PdrtError as exc:
         log.error("process failed", process=name, code=exc.code, error=str(exc))
         return 1

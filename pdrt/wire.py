@@ -285,13 +285,15 @@ class ProcessLost(msgspec.Struct, **_struct("process_lost")):
 
 
 class PrefillRequest(msgspec.Struct, **_struct("prefill")):
-    """Gateway -> prefill (or colocated) worker. `decode_address` is empty for a colocated worker."""
+    """Gateway -> prefill (or colocated) worker. `decode_address` is empty for a colocated worker; `decode_id`
+    names the decode worker, the only one that may pull the request's KV."""
 
     request_id: str
     token_ids: list[int]
     params: SamplingParams
     reply_to: str  # the gateway's inbox
     decode_address: str = ""
+    decode_id: str = ""
 
 
 class DraftUpdate(msgspec.Struct, **_struct("draft_update")):
@@ -319,6 +321,7 @@ class DraftSubmitted(msgspec.Struct, **_struct("draft_submitted")):
     params: SamplingParams
     reply_to: str
     decode_address: str = ""
+    decode_id: str = ""
 
 
 class KVHandoff(msgspec.Struct, **_struct("kv_handoff")):
@@ -337,6 +340,7 @@ class KVHandoff(msgspec.Struct, **_struct("kv_handoff")):
     source: KVSourceDescriptor
     block_ids: list[int]
     lease_expires_at: float
+    first_logprob: float | None = None  # with `params.logprobs`: the first token's, which decode reports on
 
 
 class KVAck(msgspec.Struct, **_struct("kv_ack")):
@@ -361,6 +365,7 @@ class Withdrawn(msgspec.Struct, **_struct("withdrawn")):
 
     request_id: str
     withdrawn: bool
+    process_id: str  # the prefill worker's
 
 
 class StepOutputs(msgspec.Struct, **_struct("step_outputs")):
@@ -377,6 +382,7 @@ class RequestFailed(msgspec.Struct, **_struct("request_failed")):
     code: str
     message: str
     retryable: bool = False
+    process_id: str = ""  # the worker's; a gateway takes a failure only from a worker of the request
 
 
 class MetricsReport(msgspec.Struct, **_struct("metrics_report")):

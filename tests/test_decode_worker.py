@@ -40,6 +40,7 @@ async def exercise(model: str) -> tuple[list[object], list[object], int]:
                                      layout.num_layers, 64, layout.block_size, layout.num_kv_heads, layout.head_dim,
                                      "float32")
     sender = ctx.socket(zmq.DEALER)
+    sender.setsockopt(zmq.IDENTITY, b"prefill-0")  # an inbox takes a handoff from a prefill worker alone
     sender.connect(worker.inbox.address)
     await sender.send(encode(handoff("shm", gateway_address, prefill_address, missing, 40)))
     await sender.send(encode(handoff("tcp", gateway_address, prefill_address, unreachable, 40)))

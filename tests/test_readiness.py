@@ -1,7 +1,8 @@
 """Readiness of a node without a gateway: asked of a real controller process, by the check and by `pdrt up`.
 
 Workers are stand-ins that register and heartbeat over the internal
-protocol, as a real worker's controller link does, so no model loads.
+protocol, as a real worker's controller link does (under the cluster key),
+so no model loads.
 """
 
 import json
@@ -15,20 +16,24 @@ from pathlib import Path
 
 import pytest
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.node_config import ControllerConfig, GatewayConfig, NodeConfig, PrefillGroup, WorkerGroup
 from pdrt.supervisor import Supervisor, new_run_id
 from pdrt.supervisor.readiness import check_controller
 from pdrt.testing.node import free_port
 
+KEY = ClusterKey.generate()
 STAND_IN = r"""
 import signal, sys, time, uuid
 import zmq
 from pdrt import wire
-name, address = sys.argv[1:3]
+from pdrt.actors.cluster_key import ClusterKey
+name, address, key = sys.argv[1:4]
 incarnation = uuid.uuid4().hex[:8]
 ctx = zmq.Context()
 sock = ctx.socket(zmq.DEALER)
 sock.setsockopt(zmq.IDENTITY, f"{name}.{incarnation}".encode())
+ClusterKey(key.encode()).secure(sock, server=False)
 sock.connect(address)
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -47,7 +52,7 @@ ctx.term()
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A real controller process on a free port: its address, and the file its JSON-lines log goes to."""
-    config = NodeConfig(model="unused", controller=ControllerConfig(port=free_port()))
+    config = NodeConfig(model="unused", controller=ControllerConfig(port=free_port()), cluster_key=KEY.text)
     (tmp_path / "controller.json").write_bytes(config.to_json())
     log = tmp_path / "controller.log"
     with log.open("w") as stderr:
@@ -61,7 +66,7 @@ def controller(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 
 def stand_in(name: str, address: str) -> list[str]:
-    return [sys.executable, "-c", STAND_IN, name, address]
+    return [sys.executable, "-c", STAND_IN, name, address, KEY.text]
 
 
 def wait_for(check, timeout_s: float = 15.0) -> str | None:
@@ -78,16 +83,17 @@ def log_events(log: Path) -> list[dict]:
 def test_the_controller_check_names_the_workers_it_does_not_list_then_passes_once_they_register(controller):
     address, log = controller
     def answered() -> str | None:
-        problem = check_controller(address, ["decode-b-0"], "probe-t")
+        problem = check_controller(address, ["decode-b-0"], "probe-t", KEY)
         return problem if problem and "did not answer" in problem else None
 
     assert wait_for(answered) is None  # the controller process is up
-    assert check_controller(address, ["decode-b-0"], "probe-t") == (
+    assert check_controller(address, ["decode-b-0"], "probe-t", None) == "the controller did not answer"
+    assert check_controller(address, ["decode-b-0"], "probe-t", KEY) == (
         f"workers not registered with the controller at {address}: decode-b-0")
 
     proc = subprocess.Popen(stand_in("decode-b-0", address))
     try:
-        assert wait_for(lambda: check_controller(address, ["decode-b-0"], "probe-t")) is None
+        assert wait_for(lambda: check_controller(address, ["decode-b-0"], "probe-t", KEY)) is None
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -99,14 +105,15 @@ def test_the_controller_check_names_the_workers_it_does_not_list_then_passes_onc
 
 
 def test_the_controller_check_says_when_nobody_answers():
-    problem = check_controller(f"tcp://127.0.0.1:{free_port()}", ["decode-0"], "probe-t", timeout_s=0.2)
+    problem = check_controller(f"tcp://127.0.0.1:{free_port()}", ["decode-0"], "probe-t", KEY, timeout_s=0.2)
     assert problem == "the controller did not answer"
 
 
 def test_a_node_of_decode_workers_is_ready_once_the_remote_controller_lists_them(controller, capsys):
     address, _ = controller
     port = int(address.rsplit(":", 1)[1])
-    config = NodeConfig(model="unused", node="b", controller=ControllerConfig(port=port, enabled=False),
+    config = NodeConfig(model="unused", node="b", cluster_key=KEY.text,
+                        controller=ControllerConfig(port=port, enabled=False),
                         gateway=GatewayConfig(enabled=False), prefill=PrefillGroup(count=0),
                         decode=WorkerGroup(count=2))
     supervisor = Supervisor(config, new_run_id(), command_for=lambda name: stand_in(name, address),

@@ -1,7 +1,10 @@
 """The one place ZeroMQ sockets are made.
 
 Topology: a process that serves binds a ROUTER; its peers connect DEALERs
-with a short identity; one-way streams use PUSH/PULL. Every socket gets
+with a short identity; one-way streams use PUSH/PULL. A socket of the
+internal plane carries the cluster key (pdrt/actors/cluster_key.py): one
+that binds is a CURVE server that admits only key holders, one that
+connects a CURVE client; clients' sockets have none. Every socket gets
 linger 0 (closing never blocks on unsent messages: a peer that is gone must
 not hang shutdown) and explicit high-water marks (a slow peer makes sends
 fail fast instead of growing memory without bound).
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+
+from pdrt.actors.cluster_key import ClusterKey
 
 DEFAULT_HWM = 10_000
 
@@ -22,6 +27,7 @@ class SocketSpec:
     bind: bool
     identity: bytes | None = None
     hwm: int = DEFAULT_HWM
+    key: ClusterKey | None = None  # the cluster's, for the internal plane
 
 
 def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
@@ -35,6 +41,8 @@ def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
     if spec.kind == zmq.ROUTER:
         # Sending to an unknown or departed peer raises instead of dropping silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if spec.key is not None:
+        spec.key.secure(sock, server=spec.bind)
     try:
         if spec.bind:
             sock.bind(spec.address)

@@ -15,6 +15,11 @@ Life cycle of a process in the controller:
 Gateways also get the `ClusterView` every heartbeat period, so their view of
 the load is never older than that.
 
+Only holders of the cluster key connect at all (pdrt/actors/cluster_key.py).
+Among them, a process speaks only for itself: a `Register`, `Heartbeat`,
+`Goodbye` or `MetricsReport` must come from the link identity of the
+process and incarnation it names (`link_identity`), else it is dropped.
+
 Every process also reports its metrics (`MetricsReport`); the controller
 merges them (pdrt.metrics.aggregator), serves the result on its metrics port,
 and sends it to the gateways (`MetricsView`) at most once a second.
@@ -30,6 +35,7 @@ import zmq.asyncio
 
 from pdrt.actors.actor import Actor
 from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.control_plane.link import link_identity
 from pdrt.metrics.aggregator import MetricsAggregator
 from pdrt.metrics.metrics_server import MetricsServer
 from pdrt.node_config import NodeConfig
@@ -53,6 +59,8 @@ from .registry import Entry, Registry
 log = structlog.get_logger(__name__)
 
 METRICS_VIEW_S = 1.0  # how often gateways get the merged metrics
+ROLES = ("gateway", "prefill", "decode", "colocated")
+SPOKEN_FOR_ONESELF = (Register, Heartbeat, Goodbye, MetricsReport)
 
 
 class Controller(Actor):
@@ -61,7 +69,7 @@ class Controller(Actor):
     def __init__(self, config: NodeConfig, ctx: zmq.asyncio.Context) -> None:
         self.heartbeat_s = config.controller.heartbeat_s
         self.registry = Registry(config.controller.lease_s)
-        self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True))
+        self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True, key=config.key))
         self.metrics = MetricsAggregator(self.registry)
         self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)
         self.metrics_sent_at = 0.0
@@ -101,6 +109,13 @@ class Controller(Actor):
                 self._send(gateway.identity, view)
 
     def handle(self, identity: bytes, message: object) -> None:
+        if not isinstance(message, SPOKEN_FOR_ONESELF):
+            log.warning("controller ignored a message", message=type(message).__name__)
+            return
+        if identity != link_identity(message.process_id, message.incarnation):
+            log.warning("controller dropped a message sent in another process's name", identity=identity[:64],
+                        message=type(message).__name__, process=message.process_id[:64])
+            return
         if isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message.process_id, message.incarnation, message.load):
                 self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
@@ -111,6 +126,9 @@ class Controller(Actor):
                 self._send(identity, Error("unsupported_version", f"controller speaks protocol {PROTOCOL_VERSION}, "
                                                                   f"not {message.protocol_version}"))
                 return
+            if message.role not in ROLES:
+                self._send(identity, Error("invalid_frame", f"no role {message.role!r}: one of {', '.join(ROLES)}"))
+                return
             replaced = self.registry.register(message.process_id, message.incarnation, message.role,
                                               message.address, identity)
             log.info("process registered", process=message.process_id, role=message.role, address=message.address)
@@ -118,19 +136,16 @@ class Controller(Actor):
             if replaced is not None:
                 self._lost(replaced, "replaced by a new incarnation")
             self._broadcast_view()
-        elif isinstance(message, Goodbye):
-            if self.registry.remove(message.process_id, message.incarnation) is not None:
-                log.info("process left", process=message.process_id)
-                self._broadcast_view()
-        else:
-            log.warning("controller ignored a message", message=type(message).__name__)
+        elif self.registry.remove(message.process_id, message.incarnation) is not None:  # Goodbye
+            log.info("process left", process=message.process_id)
+            self._broadcast_view()
 
     async def _read(self, ref) -> None:
         while True:
             identity, frame = (await self.socket.recv_multipart())[:2]
             try:
                 message = internal_decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 self._send(identity, Error("invalid_frame", str(exc)))
                 continue
             await ref.deliver((identity, message))

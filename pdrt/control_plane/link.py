@@ -17,6 +17,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.metrics.process_metrics import process_exposition
 from pdrt.wire import (
@@ -38,11 +39,16 @@ REGISTER_TIMEOUT_S = 2.0
 METRICS_REPORT_S = 1.0
 
 
+def link_identity(process_id: str, incarnation: str) -> bytes:
+    """How the controller knows a process's link: its messages must come from the one it registered with."""
+    return f"{process_id}.{incarnation}".encode()
+
+
 class ControllerLink:
     def __init__(self, ctx: zmq.asyncio.Context, controller_address: str, process_id: str, incarnation: str,
                  role: str, address: str, load: Callable[[], Load],
                  on_message: Callable[[object], None] | None = None,
-                 metrics: Callable[[], bytes | None] = process_exposition) -> None:
+                 metrics: Callable[[], bytes | None] = process_exposition, key: ClusterKey | None = None) -> None:
         self.process_id = process_id
         self.incarnation = incarnation
         self.role = role
@@ -51,7 +57,7 @@ class ControllerLink:
         self.on_message = on_message
         self.metrics = metrics
         self.socket = make_socket(ctx, SocketSpec(zmq.DEALER, controller_address, bind=False,
-                                                  identity=f"{process_id}.{self.incarnation}".encode()))
+                                                  identity=link_identity(process_id, incarnation), key=key))
         self.registered = asyncio.Event()
         self.heartbeat_s = 0.25
         self._tasks: list[asyncio.Task] = []
@@ -75,7 +81,7 @@ class ControllerLink:
             frame = await self.socket.recv()
             try:
                 message = internal_decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 log.warning("controller link dropped an undecodable frame", error=str(exc))
                 continue
             if isinstance(message, Registered):

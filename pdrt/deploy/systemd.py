@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", help="run the processes as this user (default: root)")
     parser.add_argument("--prefix", default="pdrt", help="unit names: PREFIX-gateway.service, PREFIX.target, ...")
     parser.add_argument("--env-file", default="/etc/pdrt/pdrt.env", metavar="PATH",
-                        help="EnvironmentFile for secrets (PDRT_WARMUP_KEY, PDRT_API_KEY); optional at run "
-                             "time; '' for none (default /etc/pdrt/pdrt.env)")
+                        help="EnvironmentFile for secrets (PDRT_CLUSTER_KEY, PDRT_WARMUP_KEY, PDRT_API_KEY); "
+                             "'' for none (default /etc/pdrt/pdrt.env)")
     parser.add_argument("--run-id", help="PDRT_RUN_ID of every process (default: derived from prefix, node, host)")
     parser.add_argument("--cache-dir", metavar="DIR",
                         help="writable cache directory (default: systemd's CacheDirectory, /var/cache/PREFIX)")
@@ -95,6 +95,9 @@ def run_systemd(args: argparse.Namespace) -> int:
     for name in secrets_in(config):
         _warn(f"{name} was left out of {config_json}; put {name}=... in the EnvironmentFile "
               f"({opts.env_file or 'none given: pass --env-file'})")
+    if not config.cluster_key:
+        _warn(f"every process needs the cluster key: put PDRT_CLUSTER_KEY=... (from `pdrt key`, the same on every "
+              f"node) in the EnvironmentFile ({opts.env_file or 'none given: pass --env-file'}), mode 0600")
     if config.engine.device.startswith("cuda") and config.mode == "disaggregated" and config.prefill.count:
         _warn("a prefill worker's KV pool is host memory from its KV source (shm, tcp, auto), while [engine] "
               "device is cuda: prefill workers on a GPU are not supported yet (docs/deploy.md)")

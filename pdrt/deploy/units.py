@@ -23,7 +23,7 @@ What a service says, and why:
 * Hardening that leaves /dev/shm and GPUs usable: ProtectSystem=strict keeps
   the API file systems (/dev, /proc, /sys) writable, PrivateTmp, and no
   PrivateDevices= (it would hide /dev/nvidia*).
-* Secrets (PDRT_WARMUP_KEY, PDRT_API_KEY) come from EnvironmentFile= and are
+* Secrets (PDRT_CLUSTER_KEY, PDRT_WARMUP_KEY, PDRT_API_KEY) come from EnvironmentFile= and are
   never written into the config JSON, which every unit's user can read.
 """
 

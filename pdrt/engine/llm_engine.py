@@ -217,11 +217,17 @@ class LLMEngine:
         del self.sequences[request_id]
 
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                       params: SamplingParams) -> ImportReservation:
-        """Decode from imported KV: reserve blocks for the prompt; cached prefix blocks need no filling."""
+                       params: SamplingParams, first_logprob: float | None = None) -> ImportReservation:
+        """Decode from imported KV: reserve blocks for the prompt; cached prefix blocks need no filling.
+
+        With `params.logprobs`, `first_logprob` is the first token's (the prefill worker reported it), so that
+        the outputs here carry one log-probability per token as a colocated request's do.
+        """
         seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.IMPORTED)
         if not (0 <= first_token_id < self.vocab_size):
             raise InvalidRequestError(f"first token id must be in [0, {self.vocab_size})")
+        if params.logprobs and first_logprob is None:
+            raise InvalidRequestError("a request with logprobs needs its first token's log-probability")
         self.block_manager.match_prefix(seq, max_tokens=seq.num_tokens)
         num_cached_blocks = len(seq.block_table)
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -231,6 +237,8 @@ class LLMEngine:
                                   f"({self.block_manager.num_free_blocks} free blocks)")
         self.block_manager.allocate(seq, remaining)
         seq.token_ids.append(first_token_id)
+        if params.logprobs:
+            seq.output_logprobs.append(first_logprob)
         if seq.detokenizer is not None:
             seq.detokenizer.add(first_token_id)
         seq.status = SequenceStatus.IMPORTING

@@ -91,12 +91,12 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model), num_params)
 
 
-def load_tokenizer(path: str) -> tuple[Any, int]:
-    """The tokenizer and context length of a checkpoint, without its weights (for a gateway)."""
+def load_tokenizer(path: str) -> tuple[Any, int, int]:
+    """The tokenizer, context length and vocabulary size of a checkpoint, without its weights (for a gateway)."""
     source, extra = _source(path)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer at {path}: {exc}") from exc
-    return tokenizer, _context_length(config)
+    return tokenizer, _context_length(config), int(config.vocab_size)

@@ -6,6 +6,8 @@ from pdrt.errors import InvalidSamplingParamsError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+GREEDY_BELOW = 1e-5
+MAX_INT = 2**31 - 1  # counts and token ids are int32 inside the engine and on every wire
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -31,14 +33,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
             raise InvalidSamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidSamplingParamsError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_INT:
+            raise InvalidSamplingParamsError(f"top_k must be in [0, {MAX_INT}] (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidSamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidSamplingParamsError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.max_tokens < 1:
-            raise InvalidSamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= MAX_INT:
+            raise InvalidSamplingParamsError(f"max_tokens must be in [1, {MAX_INT}], got {self.max_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidSamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -46,9 +48,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
                 raise InvalidSamplingParamsError(
                     f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}"
                 )
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidSamplingParamsError("stop_token_ids must be non-negative")
+        if any(not 0 <= t <= MAX_INT for t in self.stop_token_ids):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be in [0, {MAX_INT}]")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below GREEDY_BELOW the tempered logits overflow float32 (or the temperature rounds to 0 there): such
+        # a temperature means the most likely token, which is what greedy picks.
+        return self.temperature < GREEDY_BELOW

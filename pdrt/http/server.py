@@ -133,6 +133,8 @@ class HttpFront:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise InvalidRequestError("the request body is not valid JSON") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         return body

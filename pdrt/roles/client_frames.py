@@ -19,7 +19,7 @@ def _peek(frame: bytes) -> str | None:
     """The request (or draft) id of a frame that failed to decode, when it can be read at all."""
     try:
         raw = _loose.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nested deeper than Python recurses: unreadable
         return None
     if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str):
         return raw[1]

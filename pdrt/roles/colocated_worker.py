@@ -18,6 +18,8 @@ log = structlog.get_logger(__name__)
 
 class ColocatedWorker(EngineWorker):
     role = "colocated"
+    senders = {PrefillRequest: ("gateway",), DraftUpdate: ("gateway",), DraftSubmitted: ("gateway",),
+               Abort: ("gateway",)}
 
     async def on_receive(self, message: object) -> None:
         if isinstance(message, PrefillRequest):

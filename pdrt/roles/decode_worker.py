@@ -46,11 +46,12 @@ MAX_REMEMBERED_ABORTS = 10_000
 
 class DecodeWorker(EngineWorker):
     role = "decode"
+    senders = {KVHandoff: ("prefill",), PrefillRequest: ("gateway",), Abort: ("gateway",)}
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
                  run_id: str = "local") -> None:
         super().__init__(config, process_id, incarnation, ctx, run_id)
-        self.puller = make_puller(self.engine.pool.tensor)
+        self.puller = make_puller(self.engine.pool.tensor, process_id, config.key)
         self.transfer_executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-kv-pull")
         self.importing: dict[str, KVHandoff] = {}  # blocks reserved, transfer running
         self.waiting_imports: deque[KVHandoff] = deque()  # no room in the pool yet
@@ -89,7 +90,8 @@ class DecodeWorker(EngineWorker):
     def _reserve(self, handoff: KVHandoff) -> None:
         rid = handoff.request_id
         try:
-            reservation = self.engine.reserve_import(rid, handoff.token_ids, handoff.first_token, handoff.params)
+            reservation = self.engine.reserve_import(rid, handoff.token_ids, handoff.first_token, handoff.params,
+                                                     handoff.first_logprob)
         except KVPoolFullError:
             self.waiting_imports.append(handoff)
             return

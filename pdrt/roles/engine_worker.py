@@ -11,8 +11,10 @@ loop. The engine loop runs in three steps, like vLLM's busy loop:
    serve sockets while the model computes;
 3. emit what the step produced, one message per gateway.
 
-An op that raises a `PdrtError` ends its request with a `RequestFailed` to
-the gateway; it never takes the worker down.
+An op that raises ends its request with a `RequestFailed` to the gateway (a
+`PdrtError` with its own code, anything else as "internal", logged); it
+never takes the worker down. Nor does any message a peer sends: the actor
+logs and drops a message whose handler raises.
 
 On the CPU, prefill and decode workers keep an entry in the run's thread
 ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
@@ -43,7 +45,7 @@ from pdrt.engine.outputs import RequestOutput
 from pdrt.errors import PdrtError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
-from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.roles.messaging import Inbox, Outbox, Senders
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
 from pdrt.wire import DraftSubmitted, DraftUpdate, Load, PrefillRequest, RequestFailed, StepOutputs
@@ -64,6 +66,7 @@ def borrows(config: NodeConfig, engine: LLMEngine) -> bool:
 
 class EngineWorker(Actor):
     role = ""
+    senders: Senders = {}  # what this role's inbox takes, and from whom
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
                  run_id: str = "local",
@@ -80,10 +83,11 @@ class EngineWorker(Actor):
                                            borrow=self.role == "decode" and borrows(config, self.engine))
             except OSError as exc:  # no /dev/shm: the worker runs on its own threads alone
                 log.warning("no thread ledger: this worker neither lends nor borrows threads", error=str(exc))
-        self.outbox = Outbox(ctx, process_id)
-        self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver)
+        key = config.key
+        self.outbox = Outbox(ctx, process_id, key)
+        self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver, self.senders, key)
         self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, self.role,
-                                   self.inbox.address, self.load)
+                                   self.inbox.address, self.load, key=key)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
         self.ops: deque[tuple[str, Callable[[], None]]] = deque()
         self.wake = asyncio.Event()
@@ -116,7 +120,7 @@ class EngineWorker(Actor):
         reply_to = self.reply_to.pop(request_id, None)
         log.info("request failed", request_id=request_id, code=exc.code, error=str(exc))
         if reply_to is not None:
-            self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), retryable))
+            self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), retryable, self.process_id))
 
     # -- drafts ---------------------------------------------------------------------
 
@@ -185,6 +189,9 @@ class EngineWorker(Actor):
                 op()
             except PdrtError as exc:
                 self.fail(request_id, exc)
+            except Exception as exc:  # a bug must cost one request, not the worker and every stream on it
+                log.exception("an engine op failed", request_id=request_id)
+                self.fail(request_id, PdrtError(f"the worker could not apply the request: {exc!r}"))
         return applied
 
     async def _wait(self, timeout: float) -> None:
@@ -231,7 +238,8 @@ class EngineWorker(Actor):
         """Send each gateway the outputs of its requests, one message per gateway."""
         by_gateway: dict[str, list[RequestOutput]] = {}
         for out in outputs:
-            reply_to = self.reply_to.pop(out.request_id) if out.finished else self.reply_to.get(out.request_id)
+            # An abort that lands on a request's last step has dropped its gateway already: nothing to send.
+            reply_to = self.reply_to.pop(out.request_id, None) if out.finished else self.reply_to.get(out.request_id)
             if reply_to is not None:
                 by_gateway.setdefault(reply_to, []).append(out)
             if out.finished:

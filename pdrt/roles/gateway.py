@@ -27,7 +27,6 @@ the drain timeout, then ends the rest with an error.
 """
 
 import asyncio
-import itertools
 import time
 from collections import Counter, OrderedDict
 
@@ -41,6 +40,7 @@ from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.model_loader import load_tokenizer
 from pdrt.errors import (
+    DuplicateRequestError,
     MailboxFullError,
     PdrtError,
     RequestTimeoutError,
@@ -50,9 +50,11 @@ from pdrt.http.server import HTTP_IDENTITY, DraftText, HttpFront
 from pdrt.metrics.gateway_view import GatewayMetricsView
 from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
-from pdrt.roles.messaging import Inbox, Outbox
+from pdrt.roles.gateway_request import new_internal_id
+from pdrt.roles.messaging import WORKER_ROLES, Inbox, Outbox
 from pdrt.roles.prefix_memory import PrefixMemory
-from pdrt.roles.prompt_renderer import PromptRenderer
+from pdrt.roles.prompt_renderer import PromptRenderer, text_chars
+from pdrt.roles.prompt_renders import INLINE_CHARS, PromptRenders, Rendered
 from pdrt.roles.request_table import RequestTable
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_book import DraftBook
@@ -80,6 +82,7 @@ from pdrt.wire import (
     RequestFailed,
     Status,
     StepOutputs,
+    Tokens,
     Warmup,
     Withdrawn,
     WorkerInfo,
@@ -97,6 +100,9 @@ TICK_S = 0.2
 HARD_FRAME_LIMIT = 8 * MAX_CLIENT_FRAME_BYTES
 
 
+WORKER_SENDERS = {StepOutputs: WORKER_ROLES, RequestFailed: WORKER_ROLES, Withdrawn: ("prefill",)}
+
+
 def _request_id(message: object) -> str | None:
     """The id a client waits on for this message: the request's (a submit's too), else the draft's."""
     return getattr(message, "request_id", None) or getattr(message, "draft_id", None)
@@ -107,23 +113,25 @@ class Gateway(Actor):
         self.config = config
         self.process_id = process_id
         self.model_name = config.model.rstrip("/").rsplit("/", 1)[-1]
-        self.tokenizer, context_length = load_tokenizer(config.model)
+        self.tokenizer, context_length, vocab_size = load_tokenizer(config.model)
         self.max_model_len = min(config.engine.max_model_len or context_length, context_length)
-        self.prompts = PromptRenderer(self.tokenizer, self.max_model_len)
+        self.prompts = PromptRenderer(self.tokenizer, self.max_model_len, vocab_size)
+        self.renders = PromptRenders(self.prompts, self._deliver)
         self.clients = make_socket(ctx, SocketSpec(zmq.ROUTER, config.gateway_address, bind=True))
         self.clients.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
-        self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver)
-        self.outbox = Outbox(ctx, process_id)
+        key = config.key
+        self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver, WORKER_SENDERS, key)
+        self.outbox = Outbox(ctx, process_id, key)
         self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, "gateway",
-                                   self.inbox.address, lambda: Load(), self._tell)
+                                   self.inbox.address, lambda: Load(), self._tell, key=key)
         self.router = Router()
         self.handshaken: OrderedDict[bytes, None] = OrderedDict()
         self.gone_clients: set[bytes] = set()
-        self.ids = itertools.count()
         self.counters: Counter[str] = Counter()
         role = "colocated" if config.mode == "colocated" else "prefill"
-        self.drafts = DraftBook(self.tokenizer, self.max_model_len, self.router, self.outbox, role,
-                                config.gateway.max_drafts, config.engine.draft_ttl_s, self._new_id, self.counters)
+        self.drafts = DraftBook(self.tokenizer, self.prompts.max_chars, self.max_model_len, self.router, self.outbox,
+                                role, config.gateway.max_drafts, config.engine.draft_ttl_s, self._new_id,
+                                self.counters)
         self.warmups = Warmups(config.warmup, self.tokenizer, self.max_model_len, self.router, self.outbox, role,
                                self._new_id, self.counters)
         self.table = RequestTable(config.gateway, self.tokenizer, self.router, self.outbox, self.inbox.address, role,
@@ -144,7 +152,7 @@ class Gateway(Actor):
         self._ref: ActorRef | None = None
 
     def _new_id(self) -> str:
-        return f"{self.process_id}-d{next(self.ids)}"
+        return new_internal_id(self.process_id)
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -199,6 +207,8 @@ class Gateway(Actor):
             return self._client_message(HTTP_IDENTITY, message[1])
         if isinstance(message, tuple):
             self._client_frame(message[1], message[2])
+        elif isinstance(message, Rendered):
+            self._rendered(message)
         elif isinstance(message, StepOutputs):
             self.table.outputs(message)
         elif isinstance(message, RequestFailed):
@@ -234,6 +244,7 @@ class Gateway(Actor):
         for identity in self.gone_clients:
             self.table.forget_client(identity)
             self.drafts.forget_client(identity)
+            self.renders.forget_client(identity)
             self.handshaken.pop(identity, None)
         self.gone_clients.clear()
         self.drafts.sync_paused(TICK_S)
@@ -261,19 +272,45 @@ class Gateway(Actor):
                 self._reply(identity, Error(error.code, str(error), _request_id(message)))
 
     def _client_message(self, identity: bytes, message: object) -> PdrtError | None:
-        """Take a decoded client message (native or HTTP); a refusal is returned, for the caller to report."""
-        if isinstance(message, Cancel):
-            self.table.cancel(identity, message.request_id)
-        elif isinstance(message, GetStatus):
-            self._reply(identity, self.status())
-        elif isinstance(message, Warmup):
-            self.warmups.warm(message.session_id)
-        else:
-            try:
+        """Take a decoded client message (native or HTTP); a refusal is returned, for the caller to report.
+
+        Whatever goes wrong here, the client hears of it: a fault of the gateway's own is an "internal"
+        error for that message, never a silence that leaves the client waiting for its timeout."""
+        try:
+            if isinstance(message, Cancel):
+                self._cancel(identity, message.request_id)
+            elif isinstance(message, GetStatus):
+                self._reply(identity, self.status())
+            elif isinstance(message, Warmup):
+                self.warmups.warm(message.session_id)
+            else:
                 self._client_request(identity, message)
-            except PdrtError as exc:
-                return exc
+        except PdrtError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("a client message could not be handled", message=type(message).__name__)
+            return PdrtError(f"the gateway failed on this message: {exc!r}")
         return None
+
+    def _cancel(self, identity: bytes, request_id: str) -> None:
+        if self.renders.cancel(identity, request_id):  # still being tokenized: it ends here and now
+            self._reply(identity, Tokens(request_id, [], finished=True, finish_reason="cancelled"))
+        else:
+            self.table.cancel(identity, request_id)
+
+    def _check_new(self, identity: bytes, request_id: str, timeout_s: float | None) -> None:
+        """Raise the reason a new request `request_id` cannot open now."""
+        if (identity, request_id) in self.renders:
+            raise DuplicateRequestError(f"request {request_id!r} is already open")
+        self.table.check_admission(identity, request_id, timeout_s, len(self.renders))
+
+    def _rendered(self, rendered: Rendered) -> None:
+        """A large prompt is tokenized: its request goes on (or ends with the render's error)."""
+        wanted = self.renders.finish(rendered)
+        try:
+            rendered.then(rendered.result if wanted else None)
+        except PdrtError as exc:
+            self._reply(rendered.identity, Error(exc.code, str(exc), rendered.request_id))
 
     def _client_request(self, identity: bytes, message: object) -> None:
         if isinstance(message, Generate):
@@ -305,7 +342,22 @@ class Gateway(Actor):
         self._reply(identity, Ready(PROTOCOL_VERSION, self.process_id, self.model_name, self.max_model_len))
 
     def _generate(self, identity: bytes, message: Generate) -> None:
-        ids = self.prompts.render(message)
+        self._check_new(identity, message.request_id, message.timeout_s)
+        num_chars = text_chars(message)
+        self.prompts.check_chars(num_chars)
+
+        def then(result: list[int] | PdrtError | None) -> None:
+            if isinstance(result, PdrtError):
+                raise result
+            if result is not None:  # None: cancelled, or its client left, while it rendered
+                self._open_generate(identity, message, result)
+
+        if num_chars <= INLINE_CHARS:
+            then(self.prompts.render(message))
+        else:
+            self.renders.start(identity, message.request_id, lambda renderer: renderer.render(message), then)
+
+    def _open_generate(self, identity: bytes, message: Generate, ids: list[int]) -> None:
         req = self.table.admit(identity, message.request_id, ids, message.params, message.stream, message.timeout_s)
         if message.session_id and message.messages is not None:
             req.session_id = message.session_id
@@ -315,17 +367,34 @@ class Gateway(Actor):
 
     def _submit(self, identity: bytes, message: DraftSubmit) -> None:
         draft = self.drafts.take(identity, message.draft_id)
+
+        def then(result: list[int] | PdrtError | None) -> None:
+            try:
+                if isinstance(result, PdrtError):
+                    raise result
+                if result is None:  # cancelled, or its client left, while it rendered
+                    self.drafts.drop(draft, "drafts_abandoned")
+                    return
+                req = self.table.admit(identity, message.request_id, self.prompts.check(result), message.params,
+                                       message.stream, message.timeout_s)
+            except PdrtError:
+                self.drafts.drop(draft, "drafts_failed")
+                raise
+            if draft.messages is not None:
+                req.session_id = draft.session_id
+                req.messages = [*draft.messages, {"role": "user", "content": draft.text}]
+            self.table.open(req, draft)
+
         try:
-            ids = self.prompts.check(draft.tokens.final_ids())
-            req = self.table.admit(identity, message.request_id, ids, message.params, message.stream,
-                                   message.timeout_s)
+            self._check_new(identity, message.request_id, message.timeout_s)
         except PdrtError:
             self.drafts.drop(draft, "drafts_failed")
             raise
-        if draft.messages is not None:
-            req.session_id = draft.session_id
-            req.messages = [*draft.messages, {"role": "user", "content": draft.text}]
-        self.table.open(req, draft)
+        if draft.tokens.num_chars <= INLINE_CHARS:
+            then(draft.tokens.final_ids())
+        else:
+            self.renders.start(identity, message.request_id,
+                               lambda renderer: renderer.check(draft.tokens.final_ids(renderer.tokenizer)), then)
 
     def status(self) -> Status:
         workers = [WorkerStatus(w.process_id, w.role, True, w.load) for w in self.router.workers.values()]
@@ -349,8 +418,8 @@ class Gateway(Actor):
             await self.warmup_listener.start()
         if self.http is not None:
             await self.http.start()
-        log.info("gateway serving", address=self.config.gateway_address, model=self.model_name,
-                 max_model_len=self.max_model_len)
+        log.info("gateway serving", address=self.config.gateway_address, inbox=self.inbox.address,
+                 model=self.model_name, max_model_len=self.max_model_len)
         try:
             await stop.wait()
             await self._drain()
@@ -363,6 +432,7 @@ class Gateway(Actor):
                 await self.http.stop()
             self.link.close()
             self.inbox.close()
+            self.renders.close()
             await self._ref.stop()
             self.outbox.close()
             self.clients.close()
@@ -371,6 +441,6 @@ class Gateway(Actor):
         self.table.admitting = False
         deadline = time.monotonic() + self.config.gateway.drain_timeout_s
         log.info("gateway draining", open_requests=len(self.table.by_client))
-        while self.table.by_client and time.monotonic() < deadline:
+        while (self.table.by_client or self.renders) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.table.end_all(UnavailableError("the server shut down before the request finished"))

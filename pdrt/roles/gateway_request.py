@@ -7,6 +7,7 @@ characters, since they could turn out to be the start of a stop string that
 the client must never see.
 """
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,12 @@ from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.wire import Tokens, Usage, WorkerInfo
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
+
+
+def new_internal_id(process_id: str) -> str:
+    """An id the workers know a request (or draft) attempt by: the gateway's name, then 64 random bits, so that
+    no one can guess the id of another client's request to abort it or to claim its output."""
+    return f"{process_id}-{secrets.token_hex(8)}"
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +80,10 @@ class GatewayRequest:
 
     def workers(self) -> list[WorkerInfo]:
         return [w for w in (self.prefill, self.decode) if w is not None]
+
+    def runs_on(self, process_id: str) -> bool:
+        """Whether worker `process_id` serves this attempt: the only one whose outputs count for it."""
+        return any(w.process_id == process_id for w in self.workers())
 
     def add(self, out: RequestOutput) -> tuple[Tokens | None, bool]:
         """Take a worker's output; returns the frame to send (if any) and whether the request ended."""

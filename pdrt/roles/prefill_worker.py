@@ -49,12 +49,17 @@ log = structlog.get_logger(__name__)
 
 class PrefillWorker(EngineWorker):
     role = "prefill"
+    senders = {PrefillRequest: ("gateway",), DraftUpdate: ("gateway",), DraftSubmitted: ("gateway",),
+               Withdraw: ("gateway",), Abort: ("gateway",), KVAck: ("decode",)}
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
                  run_id: str) -> None:
         backend = TransferBackend[config.transfer.upper()]
-        self.source = make_source(backend, f"pdrt-{run_id}-{process_id}-{incarnation}", config.host)
+        self.source = make_source(backend, f"pdrt-{run_id}-{process_id}-{incarnation}", config.host, config.key)
         super().__init__(config, process_id, incarnation, ctx, run_id, kv_allocator=self.source.allocate)
+        descriptor = self.source.descriptor
+        log.info("kv source serving", backend=TransferBackend(descriptor.backend).name.lower(),
+                 address=descriptor.tcp_address or descriptor.address)
         self.lease_s = config.engine.kv_lease_s
         self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
@@ -115,8 +120,8 @@ class PrefillWorker(EngineWorker):
         seq = self.engine.sequences.get(rid)
         waits = rid in self.unadded or (seq is not None and seq.status is SequenceStatus.WAITING)
         if not (rid in self.requests and waits):
-            self.outbox.send(message.reply_to, Withdrawn(rid, False))
-        elif self.outbox.send(message.reply_to, Withdrawn(rid, True)):  # undelivered, it stays: nothing is lost
+            self.outbox.send(message.reply_to, Withdrawn(rid, False, self.process_id))
+        elif self.outbox.send(message.reply_to, Withdrawn(rid, True, self.process_id)):  # undelivered, it stays
             del self.requests[rid]
             self.arrived.pop(rid, None)
             self.reply_to.pop(rid, None)
@@ -127,7 +132,8 @@ class PrefillWorker(EngineWorker):
 
     def on_submitted(self, submitted: DraftSubmitted) -> None:
         self.requests[submitted.draft_id] = PrefillRequest(submitted.draft_id, submitted.token_ids, submitted.params,
-                                                           submitted.reply_to, submitted.decode_address)
+                                                           submitted.reply_to, submitted.decode_address,
+                                                           submitted.decode_id)
 
     def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
         self.engine.add_prefill(request_id, submitted.token_ids, submitted.params)
@@ -141,14 +147,15 @@ class PrefillWorker(EngineWorker):
                 continue
             self.reply_to.pop(out.request_id, None)  # from here on the decode worker reports this request
             deadline = time.monotonic() + self.lease_s
-            self.source.export(out.request_id, out.kv_block_ids, deadline)
+            self.source.export(out.request_id, out.kv_block_ids, deadline, request.decode_id)
             self.held[out.request_id] = deadline
             self.metrics.handoff_sent(len(out.kv_block_ids))
             log.info("prefill handed off", request_id=out.request_id, blocks=len(out.kv_block_ids),
                      cached_tokens=out.num_cached_tokens, decode=request.decode_address)
             self.outbox.send(request.decode_address, KVHandoff(
                 out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
-                self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline))
+                self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline,
+                out.new_logprobs[0] if out.new_logprobs else None))
 
     def _measure_load(self) -> Load:
         """The load, with the queue's account for the gateways' moves of late prompts, remade whenever the load

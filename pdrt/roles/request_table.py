@@ -7,7 +7,6 @@ the workers; a retry (its worker died before it produced a token) is a new
 attempt, so that late outputs of the old one are recognized and ignored.
 """
 
-import itertools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pdrt.errors import (
 )
 from pdrt.metrics.gateway_metrics import GatewayMetrics
 from pdrt.node_config import GatewayConfig
-from pdrt.roles.gateway_request import GatewayRequest
+from pdrt.roles.gateway_request import GatewayRequest, new_internal_id
 from pdrt.roles.local_prefill import (
     first_token_seconds,
     may_prefill_on_decode,
@@ -76,7 +75,6 @@ class RequestTable:
         self.held: dict[bytes, list[msgspec.Struct]] | None = None  # while a worker's outputs are taken
         self.process_id = process_id
         self.prefixes = prefixes  # where the prompts' KV went: the prompts' cached parts, for moves
-        self.attempts = itertools.count()
         self.requests: dict[str, GatewayRequest] = {}  # attempt id -> request
         self.by_client: dict[tuple[bytes, str], GatewayRequest] = {}
         self.unrouted: deque[GatewayRequest] = deque()
@@ -85,16 +83,21 @@ class RequestTable:
 
     # -- admission ----------------------------------------------------------------------
 
-    def admit(self, identity: bytes, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
-              timeout_s: float | None) -> GatewayRequest:
+    def check_admission(self, identity: bytes, request_id: str, timeout_s: float | None, num_pending: int = 0) -> None:
+        """Raise the reason a new request cannot open now; `num_pending` more are on their way (being rendered)."""
         if not self.admitting:
             raise UnavailableError("the server is shutting down")
         if (identity, request_id) in self.by_client:
             raise DuplicateRequestError(f"request {request_id!r} is already open")
-        if len(self.by_client) >= self.config.max_open_requests:
-            raise OverloadedError(f"the server has {len(self.by_client)} open requests, its limit; retry later")
+        num_open = len(self.by_client) + num_pending
+        if num_open >= self.config.max_open_requests:
+            raise OverloadedError(f"the server has {num_open} open requests, its limit; retry later")
         if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):
             raise InvalidRequestError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
+
+    def admit(self, identity: bytes, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
+              timeout_s: float | None) -> GatewayRequest:
+        self.check_admission(identity, request_id, timeout_s)
         deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
         return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
 
@@ -138,19 +141,19 @@ class RequestTable:
             prefill, decode = local_on, None  # the decode worker prefills and decodes it, as a colocated one would
             self.metrics.prefills_on_decode.inc()
         req.attempt += 1
-        req.internal_id = draft.internal_id if held else f"{self.process_id}-{next(self.attempts)}.{req.attempt}"
+        req.internal_id = draft.internal_id if held else new_internal_id(self.process_id)
         req.prefill, req.decode, req.pinned = prefill, decode, held
         self.requests[req.internal_id] = req
         for worker in req.workers():
             self.router.open_requests[worker.process_id] += 1
-        decode_address = decode.address if decode else ""
+        decode_address, decode_id = (decode.address, decode.process_id) if decode else ("", "")
         message: msgspec.Struct
         if held:
             message = DraftSubmitted(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
-                                     decode_address)
+                                     decode_address, decode_id)
         else:
             message = PrefillRequest(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
-                                     decode_address)
+                                     decode_address, decode_id)
         if not self.outbox.send(prefill.address, message):  # the worker's queue is full: try again later
             self._detach(req, abort=False)
             return False
@@ -267,7 +270,7 @@ class RequestTable:
     def withdrawn(self, message: Withdrawn) -> None:
         """A prefill worker's answer to `Withdraw`: an unstarted prompt goes to its decode worker to be prefilled."""
         req = self.requests.get(message.request_id)
-        if req is None or not req.withdrawing:
+        if req is None or not req.withdrawing or req.prefill is None or req.prefill.process_id != message.process_id:
             return  # ended, retried or moved since
         req.withdrawing = False
         if not message.withdrawn:
@@ -334,18 +337,25 @@ class RequestTable:
     def _outputs(self, message: StepOutputs) -> None:
         for out in message.outputs:
             req = self.requests.get(out.request_id)
-            if req is None:
-                continue  # a cancelled or abandoned attempt
-            from_decode = req.decode is not None and message.process_id == req.decode.process_id
-            if from_decode and not req.has_tokens:
-                req.early_decode_outputs.append(out)  # overtook the prefill worker's first token
-                continue
-            self._take(req, out)
-            if not from_decode and req.early_decode_outputs and out.request_id in self.requests:
-                early, req.early_decode_outputs = req.early_decode_outputs, []
-                for later in early:
-                    if later.request_id in self.requests:
-                        self._take(req, later)
+            if req is None or not req.runs_on(message.process_id):
+                continue  # a cancelled or abandoned attempt, or a worker that does not serve it
+            try:
+                self._output(req, out, message.process_id)
+            except Exception as exc:  # one request's bad output ends that request, never its step's others
+                log.exception("a worker output could not be taken", request_id=out.request_id)
+                self.fail(req, PdrtError(f"the gateway could not take the request's output: {exc!r}"))
+
+    def _output(self, req: GatewayRequest, out: RequestOutput, process_id: str) -> None:
+        from_decode = req.decode is not None and process_id == req.decode.process_id
+        if from_decode and not req.has_tokens:
+            req.early_decode_outputs.append(out)  # overtook the prefill worker's first token
+            return
+        self._take(req, out)
+        if not from_decode and req.early_decode_outputs and out.request_id in self.requests:
+            early, req.early_decode_outputs = req.early_decode_outputs, []
+            for later in early:
+                if later.request_id in self.requests:
+                    self._take(req, later)
 
     def _take(self, req: GatewayRequest, out: RequestOutput) -> None:
         self.metrics.tokens(req, len(out.new_token_ids))
@@ -361,7 +371,7 @@ class RequestTable:
 
     def failed(self, message: RequestFailed) -> None:
         req = self.requests.get(message.request_id)
-        if req is None:
+        if req is None or not req.runs_on(message.process_id):
             return
         if message.retryable and not req.has_tokens:
             self._retry(req)

@@ -26,6 +26,9 @@ import msgspec
 import zmq
 
 from pdrt import wire
+from pdrt.actors.cluster_key import ClusterKey
+from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.control_plane.link import link_identity
 
 
 def _ask(sock: zmq.Socket, message: msgspec.Struct, timeout_s: float) -> wire.ClientReply | None:
@@ -66,25 +69,35 @@ def check_gateway(address: str, expected_workers: list[str], timeout_s: float = 
         ctx.term()
 
 
-def check_controller(address: str, expected_workers: list[str], probe_id: str,
+def check_controller(address: str, expected_workers: list[str], probe_id: str, key: ClusterKey | None,
                      timeout_s: float = 0.5) -> str | None:
-    """None when the controller at `address` lists every expected worker; else what is missing."""
+    """None when the controller at `address` (of the cluster of `key`) lists every expected worker; else what is
+    missing."""
+    view = cluster_view(address, probe_id, key, timeout_s)
+    if isinstance(view, str):
+        return view
+    registered = {worker.process_id for worker in view.workers}
+    missing = [name for name in expected_workers if name not in registered]
+    if missing:
+        return f"workers not registered with the controller at {address}: {', '.join(missing)}"
+    return None
+
+
+def cluster_view(address: str, probe_id: str, key: ClusterKey | None, timeout_s: float = 0.5
+                 ) -> wire.ClusterView | str:
+    """The workers the controller at `address` lists, asked by registering for a moment as gateway `probe_id`;
+    or what went wrong."""
     incarnation = secrets.token_hex(4)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"{probe_id}.{incarnation}".encode())
     try:
-        sock.connect(address)
+        sock = make_socket(ctx, SocketSpec(zmq.DEALER, address, bind=False,
+                                           identity=link_identity(probe_id, incarnation), key=key))
+    except zmq.ZMQError as exc:
+        ctx.term()
+        return f"cannot connect to the controller at {address}: {exc}"
+    try:
         sock.send(wire.encode(wire.Register(wire.PROTOCOL_VERSION, probe_id, incarnation, "gateway", "")))
-        view = _cluster_view(sock, time.monotonic() + timeout_s)
-        if isinstance(view, str):
-            return view
-        registered = {worker.process_id for worker in view.workers}
-        missing = [name for name in expected_workers if name not in registered]
-        if missing:
-            return f"workers not registered with the controller at {address}: {', '.join(missing)}"
-        return None
+        return _first_view(sock, time.monotonic() + timeout_s)
     finally:
         # Leave the registry at once (else the probe lingers there until its lease runs out).
         try:
@@ -95,7 +108,7 @@ def check_controller(address: str, expected_workers: list[str], probe_id: str,
         ctx.term()
 
 
-def _cluster_view(sock: zmq.Socket, deadline: float) -> wire.ClusterView | str:
+def _first_view(sock: zmq.Socket, deadline: float) -> wire.ClusterView | str:
     """The first ClusterView the controller sends after the probe's registration, or what went wrong."""
     while True:
         remaining_ms = int((deadline - time.monotonic()) * 1000)

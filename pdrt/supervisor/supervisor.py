@@ -3,7 +3,9 @@
 Life of a run:
 0. remove what runs whose supervisor was SIGKILLed left behind, and take
    this run's lock (see leftovers.py);
-1. write the resolved config as JSON into a fresh run directory, and start
+1. write the resolved config as JSON into a fresh run directory (mode 0700),
+   with the cluster key that authenticates the internal plane in
+   `cluster.key` (0600: made for this run unless the config gives one), and start
    every process in `NodeConfig.process_names()` order (controller, workers,
    gateway), each told the config's path and the run id by environment;
 2. monitor: every ~50 ms reap exited children and restart them with backoff
@@ -30,8 +32,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import structlog
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.node_config import NodeConfig
 from pdrt.supervisor import leftovers
 from pdrt.supervisor.child import Child, RestartPolicy, describe_exit
@@ -39,6 +43,7 @@ from pdrt.supervisor.readiness import check_controller, check_gateway
 
 log = structlog.get_logger(__name__)
 
+CLUSTER_KEY_FILE = "cluster.key"
 TICK_S = 0.05
 PROBE_INTERVAL_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -51,6 +56,13 @@ def default_command(name: str) -> list[str]:
 
 def new_run_id() -> str:
     return secrets.token_hex(4)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a file only its owner can read (it holds secrets)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 class Supervisor:
@@ -93,7 +105,7 @@ class Supervisor:
                 self._log.info("removed what dead runs left behind", runs=swept)
             lock = leftovers.lock_run(self.run_id)
             run_dir = leftovers.make_run_dir(self.run_id)
-            self._start_all(run_dir / "node.json")
+            self._start_all(run_dir)
             self._monitor()
         except OSError as exc:
             self.failure = f"cannot start the node: {exc}"
@@ -107,8 +119,12 @@ class Supervisor:
             self._restore_signal_handlers(previous)
         return 1 if self.failure else 0
 
-    def _start_all(self, config_path: Path) -> None:
-        config_path.write_bytes(self.config.to_json())
+    def _start_all(self, run_dir: Path) -> None:
+        if not self.config.cluster_key:
+            self.config = msgspec.structs.replace(self.config, cluster_key=ClusterKey.generate().text)
+        _write_private(run_dir / CLUSTER_KEY_FILE, self.config.cluster_key.encode() + b"\n")
+        config_path = run_dir / "node.json"
+        _write_private(config_path, self.config.to_json())
         env = {**os.environ, "PDRT_NODE_CONFIG": str(config_path), "PDRT_RUN_ID": self.run_id}
         self.children = [Child(name, self.command_for(name), env, self.policy)
                          for name in self.config.process_names()]
@@ -167,7 +183,8 @@ class Supervisor:
     def _check_ready(self) -> str | None:
         if self.config.gateway.enabled:
             return check_gateway(self.config.gateway_address, self.worker_names)
-        return check_controller(self.config.controller_address, self.worker_names, f"probe-{self.run_id}")
+        return check_controller(self.config.controller_address, self.worker_names, f"probe-{self.run_id}",
+                                self.config.key)
 
     def _announce_ready(self) -> None:
         self.is_ready = True

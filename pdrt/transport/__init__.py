@@ -10,13 +10,14 @@ import importlib
 
 import torch
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.errors import TransferError
 from pdrt.transport.base import KVPuller, KVSource, TransferBackend
 from pdrt.wire import KVSourceDescriptor
 
 __all__ = ["KVPuller", "KVSource", "TransferBackend", "make_puller", "make_source"]
 
-# backend -> (module, source class, puller class); the classes take (name, host) and (pool).
+# backend -> (module, source class, puller class); the classes take (name, host, key=) and (pool, identity=, key=).
 _BACKENDS: dict[TransferBackend, tuple[str, str, str]] = {
     TransferBackend.SHM: ("pdrt.transport.shm", "ShmSource", "ShmPuller"),
     TransferBackend.TCP: ("pdrt.transport.tcp", "TcpSource", "TcpPuller"),
@@ -32,14 +33,16 @@ def _backend_class(backend: int, index: int) -> type:
     return getattr(importlib.import_module(row[0]), row[index])
 
 
-def make_source(backend: TransferBackend, name: str, host: str) -> KVSource:
-    """A prefill worker's source: `name` is unique per worker incarnation, `host` where peers reach it."""
-    return _backend_class(backend, 1)(name, host)
+def make_source(backend: TransferBackend, name: str, host: str, key: ClusterKey | None = None) -> KVSource:
+    """A prefill worker's source: `name` is unique per worker incarnation, `host` where peers reach it, `key`
+    the cluster key that its endpoint (if any) admits pullers by."""
+    return _backend_class(backend, 1)(name, host, key=key)
 
 
-def make_puller(pool: torch.Tensor) -> KVPuller:
-    """A decode worker's puller into `pool`, for sources of any backend."""
-    return _AnyBackendPuller(pool)
+def make_puller(pool: torch.Tensor, identity: str = "", key: ClusterKey | None = None) -> KVPuller:
+    """A decode worker's puller into `pool`, for sources of any backend; `identity` is the worker's process id,
+    which sources check against the decode worker a request was routed to."""
+    return _AnyBackendPuller(pool, identity, key)
 
 
 class _AnyBackendPuller(KVPuller):
@@ -49,15 +52,18 @@ class _AnyBackendPuller(KVPuller):
     Call it from one transfer thread, as the TCP puller requires.
     """
 
-    def __init__(self, pool: torch.Tensor) -> None:
+    def __init__(self, pool: torch.Tensor, identity: str, key: ClusterKey | None) -> None:
         self.pool = pool
+        self.identity, self.key = identity, key
         self._pullers: dict[int, KVPuller] = {}
 
     def pull(self, source: KVSourceDescriptor, request_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], lease_expires_at: float, timeout_s: float) -> None:
         puller = self._pullers.get(source.backend)
         if puller is None:
-            puller = self._pullers[source.backend] = _backend_class(source.backend, 2)(self.pool)
+            puller = self._pullers[source.backend] = _backend_class(source.backend, 2)(self.pool,
+                                                                                       identity=self.identity,
+                                                                                       key=self.key)
         puller.pull(source, request_id, src_block_ids, dst_block_ids, lease_expires_at, timeout_s)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.errors import TransferError
 from pdrt.transport.base import KVPuller, KVSource, TransferBackend
 from pdrt.transport.shm import SHM_DIR, ShmPuller, ShmSource
@@ -60,10 +61,11 @@ class AutoSource(KVSource):
     tests pass another to play a source on a different host.
     """
 
-    def __init__(self, name: str, host: str = "127.0.0.1", host_id: str | None = None) -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", host_id: str | None = None,
+                 key: ClusterKey | None = None) -> None:
         self.host_id = local_host_id() if host_id is None else host_id
         self._shm = ShmSource(name)
-        self._tcp = TcpSource(name, host)
+        self._tcp = TcpSource(name, host, key)
         self._descriptor: KVSourceDescriptor | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -87,9 +89,9 @@ class AutoSource(KVSource):
     def num_exports(self) -> int:
         return self._tcp.num_exports
 
-    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
-        self._shm.export(request_id, block_ids, lease_expires_at)
-        self._tcp.export(request_id, block_ids, lease_expires_at)
+    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float, puller: str = "") -> None:
+        self._shm.export(request_id, block_ids, lease_expires_at, puller)
+        self._tcp.export(request_id, block_ids, lease_expires_at, puller)
 
     def withdraw(self, request_id: str) -> None:
         self._shm.withdraw(request_id)
@@ -108,8 +110,10 @@ class AutoPuller(KVPuller):
     to `local_host_id()`; tests pass another to play a puller elsewhere.
     """
 
-    def __init__(self, pool: torch.Tensor, host_id: str | None = None) -> None:
+    def __init__(self, pool: torch.Tensor, host_id: str | None = None, identity: str = "",
+                 key: ClusterKey | None = None) -> None:
         self.pool = pool
+        self.identity, self.key = identity, key
         self.host_id = local_host_id() if host_id is None else host_id
         self._shm: ShmPuller | None = None
         self._tcp: TcpPuller | None = None
@@ -130,7 +134,7 @@ class AutoPuller(KVPuller):
             raise TransferError(f"the KV source {source.address} is on another host ({source.host_id or 'unknown'}) "
                                 "and serves no TCP endpoint")
         if self._tcp is None:
-            self._tcp = TcpPuller(self.pool)
+            self._tcp = TcpPuller(self.pool, self.identity, self.key)
         remote = msgspec.structs.replace(source, backend=int(TransferBackend.TCP), address=source.tcp_address)
         self._tcp.pull(remote, request_id, src_block_ids, dst_block_ids, lease_expires_at, timeout_s)
 

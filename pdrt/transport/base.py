@@ -44,8 +44,11 @@ class KVSource(abc.ABC):
         """How a decode worker reaches this pool; valid after `allocate`."""
 
     @abc.abstractmethod
-    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
-        """Make `block_ids` readable for `request_id` until `withdraw` or `lease_expires_at` (time.monotonic)."""
+    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float, puller: str = "") -> None:
+        """Make `block_ids` readable for `request_id` until `withdraw` or `lease_expires_at` (time.monotonic).
+
+        `puller` names the decode worker (its process id) the request was routed to: where the backend serves
+        pulls itself (TCP) it serves this export to that worker alone; "" serves any puller."""
 
     @abc.abstractmethod
     def withdraw(self, request_id: str) -> None:

@@ -94,6 +94,7 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
 class Export:
     block_ids: frozenset[int]
     lease_expires_at: float
+    puller: str  # the process id of the one decode worker that may pull it; "": any
 
 
 class ExportTable:
@@ -106,9 +107,9 @@ class ExportTable:
     def __len__(self) -> int:
         return len(self._exports)
 
-    def add(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
+    def add(self, request_id: str, block_ids: list[int], lease_expires_at: float, puller: str = "") -> None:
         with self._lock:
-            self._exports[request_id] = Export(frozenset(block_ids), lease_expires_at)
+            self._exports[request_id] = Export(frozenset(block_ids), lease_expires_at, puller)
 
     def remove(self, request_id: str) -> None:
         with self._lock:
@@ -118,11 +119,15 @@ class ExportTable:
         with self._lock:
             return self._exports.get(request_id)
 
-    def check(self, request_id: str, block_ids: list[int]) -> Export:
-        """The live export covering `block_ids`, or TransferError saying why there is none."""
+    def check(self, request_id: str, block_ids: list[int], puller: str | None = None) -> Export:
+        """The live export covering `block_ids` for `puller` (None: whoever asks), or TransferError saying why
+        there is none. Each block may be named once: a pull never asks for more than was exported."""
         export = self.get(request_id)
-        if export is None:
-            raise TransferError(f"request {request_id!r} has no export here (withdrawn or never exported)")
+        if export is None or (puller is not None and export.puller and export.puller != puller):
+            raise TransferError(f"request {request_id!r} has no export here for this puller (withdrawn, never "
+                                "exported, or routed to another decode worker)")
+        if len(set(block_ids)) != len(block_ids):
+            raise TransferError("a pull names a block more than once")
         if time.monotonic() > export.lease_expires_at:
             raise TransferError(f"the lease of request {request_id!r} has expired")
         if not export.block_ids.issuperset(block_ids):
@@ -150,8 +155,8 @@ class BookedSource(KVSource):
     def num_exports(self) -> int:
         return len(self._exports)
 
-    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float) -> None:
-        self._exports.add(request_id, block_ids, lease_expires_at)
+    def export(self, request_id: str, block_ids: list[int], lease_expires_at: float, puller: str = "") -> None:
+        self._exports.add(request_id, block_ids, lease_expires_at, puller)
 
     def withdraw(self, request_id: str) -> None:
         self._exports.remove(request_id)

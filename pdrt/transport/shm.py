@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.errors import TransferError
 from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
@@ -64,11 +65,12 @@ def remove_segments(prefix: str) -> int:
 
 
 class ShmSource(BookedSource):
-    """A prefill pool in the /dev/shm file `name`; `host` is not needed (readers are on this host)."""
+    """A prefill pool in the /dev/shm file `name`; `host` and `key` are not needed: readers are on this host, and
+    the file's mode (0600) lets only its user's processes map it."""
 
     kind = "shared-memory"
 
-    def __init__(self, name: str, host: str = "") -> None:
+    def __init__(self, name: str, host: str = "", key: ClusterKey | None = None) -> None:
         super().__init__()
         self.path = segment_path(name)
         self._mmap: mmap.mmap | None = None
@@ -121,7 +123,8 @@ class _Mapping:
 class ShmPuller(KVPuller):
     """Copies blocks out of mapped segments into `pool`; safe to call from several threads."""
 
-    def __init__(self, pool: torch.Tensor) -> None:
+    def __init__(self, pool: torch.Tensor, identity: str = "", key: ClusterKey | None = None) -> None:
+        """`identity` and `key` are the TCP puller's: a segment is guarded by its file mode (0600) alone."""
         self.pool = pool
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()

@@ -6,8 +6,10 @@ Protocol (structs at the end of pdrt.wire):
     prefill ROUTER -- [KVPullReply(seq, num_bytes), data]        -->  decode DEALER
                    or [KVPullReply(seq, error, message)]
 
-The source answers only for blocks exported under that request id and
-within their lease, judged on its own clock: the lease deadline is the
+The source's endpoint admits only holders of the cluster key, and answers
+only the decode worker the request was routed to (the puller's identity is
+its process id), for blocks exported under that request id, each named at
+most once, and within their lease, judged on its own clock: the lease deadline is the
 prefill host's `time.monotonic()`, meaningless on another host, so the
 puller does not check it. The source gathers the blocks into one
 contiguous buffer (one copy per run of consecutive ids) and sends it as a
@@ -26,9 +28,11 @@ import threading
 import time
 
 import msgspec
+import structlog
 import torch
 import zmq
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
 from pdrt.errors import TransferError
 from pdrt.transport.base import KVPuller, TransferBackend
@@ -51,6 +55,8 @@ from pdrt.wire import (
     kv_pull_request_decoder,
 )
 
+log = structlog.get_logger(__name__)
+
 SERVE_POLL_MS = 100  # how often the server thread looks at its stop flag: close() returns within about this
 CLOSE_JOIN_S = 1.0
 
@@ -64,10 +70,11 @@ class TcpSource(BookedSource):
 
     kind = "TCP"
 
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", key: ClusterKey | None = None) -> None:
         super().__init__()
         self.name = name
         self.host = host
+        self.key = key
         self._pool: torch.Tensor | None = None
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
@@ -88,7 +95,7 @@ class TcpSource(BookedSource):
         check_pool_shape(tuple(pool.shape))
         self._ctx = zmq.Context(io_threads=1)
         try:
-            sock = make_socket(self._ctx, SocketSpec(zmq.ROUTER, f"tcp://{self.host}:*", bind=True))
+            sock = make_socket(self._ctx, SocketSpec(zmq.ROUTER, f"tcp://{self.host}:*", bind=True, key=self.key))
         except zmq.ZMQError as exc:
             self._ctx.term()
             self._ctx = None
@@ -120,7 +127,11 @@ class TcpSource(BookedSource):
         try:
             while not self._stop.is_set():
                 if sock.poll(SERVE_POLL_MS):
-                    self._answer(sock, pool, sock.recv_multipart())
+                    frames = sock.recv_multipart()
+                    try:
+                        self._answer(sock, pool, frames)
+                    except Exception:  # whatever a pull asks, the server goes on serving the next one
+                        log.exception("the KV source failed on a pull request")
         finally:
             sock.close()
 
@@ -130,10 +141,10 @@ class TcpSource(BookedSource):
         identity, payload = frames
         try:
             request = kv_pull_request_decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             reply = [encode(KVPullReply(-1, error="bad_request", message=f"undecodable pull request: {exc}"))]
         else:
-            reply = self._blocks(pool, request)
+            reply = self._blocks(pool, request, identity.decode(errors="replace"))
         try:
             tracker = sock.send_multipart([identity, *reply], flags=zmq.NOBLOCK, copy=False, track=True)
         except zmq.ZMQError:  # the puller left (ROUTER_MANDATORY says so instead of dropping silently) or is stuck
@@ -141,15 +152,15 @@ class TcpSource(BookedSource):
         if len(reply) == 2:
             self._send_buffer.sending(tracker)
 
-    def _blocks(self, pool: torch.Tensor, request: KVPullRequest) -> list:
+    def _blocks(self, pool: torch.Tensor, request: KVPullRequest, puller: str) -> list:
         """The reply frames: header and data, or an error header."""
         try:
-            self._exports.check(request.request_id, request.block_ids)
+            self._exports.check(request.request_id, request.block_ids, puller)
             if any(not 0 <= b < pool.shape[2] for b in request.block_ids):
                 raise TransferError(f"block ids must be in [0, {pool.shape[2]})")
             data = self._send_buffer.take(pool, (pool.shape[0], 2, len(request.block_ids), *pool.shape[3:]))
             copy_runs(data, pool, coalesce(request.block_ids, list(range(len(request.block_ids)))))
-            self._exports.check(request.request_id, request.block_ids)
+            self._exports.check(request.request_id, request.block_ids, puller)
         except TransferError as exc:
             return [encode(KVPullReply(request.seq, error="refused", message=str(exc)))]
         buffer = data.view(-1).view(torch.uint8).numpy()
@@ -185,11 +196,15 @@ class TcpPuller(KVPuller):
     """Pulls from TCP sources into `pool`, one DEALER per source address.
 
     Not thread-safe: ZeroMQ sockets belong to one thread, so call `pull` and
-    `close` from the decode worker's single transfer thread.
+    `close` from the decode worker's single transfer thread. `identity` is
+    the decode worker's process id, by which sources tell it is the one a
+    request was routed to.
     """
 
-    def __init__(self, pool: torch.Tensor) -> None:
+    def __init__(self, pool: torch.Tensor, identity: str = "", key: ClusterKey | None = None) -> None:
         self.pool = pool
+        self.identity = identity.encode() or None
+        self.key = key
         self._ctx = zmq.Context(io_threads=1)
         self._sockets: dict[str, zmq.Socket] = {}
         self._seq = 0
@@ -242,7 +257,8 @@ class TcpPuller(KVPuller):
         sock = self._sockets.get(address)
         if sock is None:
             try:
-                sock = make_socket(self._ctx, SocketSpec(zmq.DEALER, address, bind=False))
+                sock = make_socket(self._ctx, SocketSpec(zmq.DEALER, address, bind=False, identity=self.identity,
+                                                         key=self.key))
             except zmq.ZMQError as exc:
                 raise TransferError(f"cannot connect to KV source {address}: {exc}") from exc
             self._sockets[address] = sock

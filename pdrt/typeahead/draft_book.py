@@ -13,6 +13,12 @@ Life cycle of a draft in the gateway:
 
 The worker is picked at the first update (a session's reserved worker when
 it has one) and kept; when it dies the draft starts over on another.
+
+Every sync tokenizes the whole draft on the gateway's event loop, so a
+draft's text is bounded (`max_chars`, what the context could hold at most:
+a longer one is refused with nothing changed), and a draft longer than
+`MAX_SYNC_CHARS` is no longer synced: its submit tokenizes it off the loop
+and the worker prefills what it does not hold yet.
 """
 
 import time
@@ -28,6 +34,7 @@ from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
 from pdrt.wire import Abort, DraftAppend, DraftOpen, DraftReplace, DraftUpdate, WorkerInfo
 
 SYNC_CHARS = 16  # less new text than this rarely moves the stable prefix (see DraftTokenizer)
+MAX_SYNC_CHARS = 65536  # tokenizing this much holds the loop for tens of milliseconds at most
 
 
 @dataclass(slots=True, eq=False)
@@ -49,9 +56,10 @@ class GatewayDraft:
 
 
 class DraftBook:
-    def __init__(self, tokenizer: Any, max_model_len: int, router: Router, outbox: Outbox, role: str,
+    def __init__(self, tokenizer: Any, max_chars: int, max_model_len: int, router: Router, outbox: Outbox, role: str,
                  max_drafts: int, ttl_s: float, new_id: Callable[[], str], counters: Counter[str]) -> None:
         self.tokenizer = tokenizer
+        self.max_chars = max_chars
         self.max_model_len = max_model_len
         self.router = router
         self.outbox = outbox
@@ -70,12 +78,13 @@ class DraftBook:
             raise UnavailableError(f"the server has {len(self.drafts)} open drafts, its limit; retry later")
         messages = None if message.messages is None else [{"role": m.role, "content": m.content}
                                                           for m in message.messages]
+        self._check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages or []))
         if messages is not None and not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; open the draft without messages")
         try:
             tokens = DraftTokenizer(self.tokenizer, messages)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        except Exception as exc:  # the template refused the conversation, or places the typed text oddly
+            raise InvalidRequestError(f"the chat template cannot render this draft: {exc}") from None
         self.drafts[key] = GatewayDraft(identity, message.draft_id, self.new_id(), message.session_id, messages,
                                         tokens, time.monotonic(), worker)
         self.counters["drafts_opened"] += 1
@@ -88,8 +97,14 @@ class DraftBook:
         draft.last_activity = time.monotonic()
         return draft
 
+    def _check_chars(self, num_chars: int) -> None:
+        if num_chars > self.max_chars:
+            raise PromptTooLongError(f"the draft would have {num_chars} characters; this model's context holds "
+                                     f"at most {self.max_chars}")
+
     def append(self, identity: bytes, message: DraftAppend) -> None:
         draft = self._get(identity, message.draft_id)
+        self._check_chars(draft.tokens.num_chars + len(message.text))
         draft.tokens.text += message.text
         self._sync(draft)
 
@@ -98,6 +113,7 @@ class DraftBook:
         if not (0 <= message.num_kept_chars <= len(draft.text)):
             raise InvalidRequestError(f"the draft has {len(draft.text)} characters; cannot keep "
                                       f"{message.num_kept_chars}")
+        self._check_chars(draft.tokens.num_chars - len(draft.text) + message.num_kept_chars + len(message.text))
         draft.tokens.text = draft.text[: message.num_kept_chars] + message.text
         self._sync(draft, force=message.num_kept_chars < len(draft.synced_text))
 
@@ -110,6 +126,8 @@ class DraftBook:
     def _sync(self, draft: GatewayDraft, force: bool = False) -> None:
         """Send the worker the change in the draft's stable tokens, if there is one."""
         if not force and len(draft.text) - len(draft.synced_text) < SYNC_CHARS:
+            return
+        if draft.tokens.num_chars > MAX_SYNC_CHARS:
             return
         draft.synced_text = draft.text
         stable = draft.tokens.stable_ids()

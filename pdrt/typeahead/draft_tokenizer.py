@@ -39,6 +39,11 @@ class DraftTokenizer:
             self.prefix_text = rendered[: rendered.index(SENTINEL)]
             self.add_special_tokens = False
 
+    @property
+    def num_chars(self) -> int:
+        """The characters tokenizing the draft reads: the conversation so far, rendered, and the typed text."""
+        return len(self.prefix_text) + len(self.text)
+
     def _render(self, text: str) -> str:
         chat = [*(self.messages or []), {"role": "user", "content": text}]
         return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -54,12 +59,16 @@ class DraftTokenizer:
                              add_special_tokens=self.add_special_tokens)["input_ids"]
         return ids[: max(0, len(ids) - self.window)]
 
-    def final_ids(self) -> list[int]:
-        """The prompt's tokens for the text as it is now, exactly as a one-shot `Generate` renders them."""
+    def final_ids(self, tokenizer: Any = None) -> list[int]:
+        """The prompt's tokens for the text as it is now, exactly as a one-shot `Generate` renders them.
+
+        `tokenizer` (default: the draft's) is an equal copy for a thread of its own: a fast tokenizer is not
+        safe to use from two threads at once."""
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if self.messages is None:
-            return self.tokenizer(self.text)["input_ids"]
+            return tokenizer(self.text)["input_ids"]
         chat = [*self.messages, {"role": "user", "content": self.text}]
-        return self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+        return tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,134 @@
+"""The internal plane under the cluster key, over real loopback sockets: key holders talk, everyone else is refused
+before a message is decoded; among holders, an inbox takes each message only from the role that sends it, and a KV
+source serves an export only to its decode worker, each block at most once."""
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from pdrt.actors import run
+from pdrt.actors.cluster_key import ClusterKey, zap_handler
+from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.errors import ConfigError, TransferError
+from pdrt.node_config import NodeConfig
+from pdrt.roles.messaging import Inbox
+from pdrt.transport import TransferBackend, make_puller, make_source
+from pdrt.wire import Abort, KVAck, RequestFailed, Withdrawn, encode
+
+KEY = ClusterKey.generate()
+SHAPE = (2, 2, 8, 4, 2, 8)
+
+
+def test_a_key_is_40_characters_of_z85_and_a_config_refuses_anything_else():
+    assert len(KEY.text) == 40 and ClusterKey.parse(KEY.text) == KEY and ClusterKey.parse("") is None
+    for bad in ("short", "x" * 40 + "y", '"' * 40):
+        with pytest.raises(ConfigError):
+            NodeConfig(model="/m", cluster_key=bad)
+    assert NodeConfig(model="/m", cluster_key=KEY.text).key == KEY
+
+
+def test_an_inbox_hears_key_holders_and_refuses_everyone_else_before_decoding():
+    async def main() -> tuple[list[object], int]:
+        ctx = zmq.asyncio.Context()
+        received: list[object] = []
+
+        async def handler(message: object) -> None:
+            received.append(message)
+
+        inbox = Inbox(ctx, "tcp://127.0.0.1:*", handler, {Abort: ("gateway",), KVAck: ("decode",)}, KEY)
+        inbox.start()
+        senders = {
+            "holder": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway", key=KEY)),
+            "no key": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway")),
+            "another key": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway",
+                                                       key=ClusterKey.generate())),
+        }
+        # Knows the cluster's public key (the server's) but not its secret: CURVE would let it in, ZAP does not.
+        spy = ctx.socket(zmq.DEALER)
+        spy.setsockopt(zmq.LINGER, 0)
+        spy.curve_publickey, spy.curve_secretkey = zmq.curve_keypair()
+        spy.curve_serverkey = KEY.public
+        spy.setsockopt(zmq.IDENTITY, b"gateway")
+        spy.connect(inbox.address)
+        senders["spy"] = spy
+        for name, sock in senders.items():
+            await sock.send(encode(Abort(name)))
+        decode = make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"decode-0", key=KEY))
+        await decode.send(encode(Abort("from a decode worker")))  # Abort comes from gateways only
+        await decode.send(encode(KVAck("acked")))
+        await asyncio.sleep(1.0)
+        refused = zap_handler(ctx).num_refused
+        for sock in (*senders.values(), decode):
+            sock.close()
+        inbox.close()
+        ctx.destroy(linger=0)
+        return received, refused
+
+    received, refused = run(main())
+    assert received == [Abort("holder"), KVAck("acked")]
+    assert refused >= 1  # the spy; the others fail the handshake itself
+
+
+def test_an_inbox_drops_a_message_sent_in_another_process_name():
+    async def main() -> list[object]:
+        ctx = zmq.asyncio.Context()
+        received: list[object] = []
+
+        async def handler(message: object) -> None:
+            received.append(message)
+
+        inbox = Inbox(ctx, "tcp://127.0.0.1:*", handler, {RequestFailed: ("decode",), Withdrawn: ("prefill",)}, KEY)
+        inbox.start()
+        decode = make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"decode-1", key=KEY))
+        await decode.send(encode(RequestFailed("r", "x", "forged", False, "decode-0")))
+        await decode.send(encode(RequestFailed("r", "x", "own", False, "decode-1")))
+        await decode.send(b"\x93" + b"\x91" * 50_000)  # nested past Python's recursion limit
+        await decode.send(encode(Withdrawn("r", True, "decode-1")))  # a decode worker withdraws nothing
+        await asyncio.sleep(0.5)
+        decode.close()
+        inbox.close()
+        ctx.destroy(linger=0)
+        return received
+
+    assert run(main()) == [RequestFailed("r", "x", "own", False, "decode-1")]
+
+
+@pytest.fixture
+def tcp_source():
+    source = make_source(TransferBackend.TCP, f"pdrt-test-{uuid.uuid4().hex[:10]}", "127.0.0.1", KEY)
+    pool = source.allocate(SHAPE, torch.float32)
+    pool.copy_(torch.randn(SHAPE))
+    yield source, pool
+    source.close()
+
+
+def pull(source, identity: str, key: ClusterKey | None, block_ids: list[int], timeout_s: float = 5.0) -> torch.Tensor:
+    dst = torch.zeros(SHAPE)
+    puller = make_puller(dst, identity, key)
+    try:
+        puller.pull(source.descriptor, "req", block_ids, list(range(len(block_ids))), time.monotonic() + 60,
+                    timeout_s)
+    finally:
+        puller.close()
+    return dst
+
+
+def test_a_kv_source_serves_an_export_only_to_its_decode_worker_and_each_block_once(tcp_source):
+    source, pool = tcp_source
+    source.export("req", [2, 3, 5], time.monotonic() + 60, "decode-0")
+    dst = pull(source, "decode-0", KEY, [5, 2])
+    assert torch.equal(dst[:, :, :2], pool[:, :, [5, 2]])
+    with pytest.raises(TransferError, match="routed to another decode worker"):
+        pull(source, "decode-1", KEY, [2])
+    with pytest.raises(TransferError, match="more than once"):
+        pull(source, "decode-0", KEY, [2, 2])
+    with pytest.raises(TransferError, match="not exported"):
+        pull(source, "decode-0", KEY, [2, 4])
+    with pytest.raises(TransferError, match="no answer"):  # no key: the handshake never completes
+        pull(source, "decode-0", None, [2], timeout_s=0.5)
+    assert torch.equal(pull(source, "decode-0", KEY, [3])[:, :, 0], pool[:, :, 3])  # and it still serves
