@@ -4,11 +4,15 @@
       tokens counted as the client receives them) against the engine alone
       in this process, at the same batch, thread count and prompts;
   (b) the client round trip of the control path: `GetStatus` to the gateway
-      and back, on an idle node.
+      and back, on an idle node;
+  (c) what the cluster key costs the internal plane: a round trip between a
+      DEALER and a ROUTER made by pdrt's socket helper, as every internal
+      message travels, plain and under CURVE, alternating.
 
-Each figure is the median of --repeats windows. The engine runs first, alone,
-and then the node, so neither competes with the other for the cores. The
-last line: `overhead runtime_vs_engine=X rtt_us=Y`.
+Each figure is the median of --repeats windows (round trips: of 2000). The
+engine runs first, alone, and then the node, so neither competes with the
+other for the cores. The last line:
+`overhead runtime_vs_engine=X rtt_us=Y internal_rtt_us=P curve_rtt_us=Q`.
 """
 
 import argparse
@@ -21,13 +25,25 @@ from pathlib import Path
 import torch
 import zmq
 
+from pdrt.actors.cluster_key import ClusterKey
+from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
 from pdrt.engine import EngineConfig, LLMEngine, SamplingParams
 from pdrt.models.fetch import default_model_dir, is_fetched
 from pdrt.node_config import NodeConfig
 from pdrt.testing.node import Node
 from pdrt.testing.prompts import random_prompts
 from pdrt.testing.tiny_model import build_tiny_model
-from pdrt.wire import PROTOCOL_VERSION, Cancel, Generate, GetStatus, Hello, Tokens, client_reply_decoder, encode
+from pdrt.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Generate,
+    GetStatus,
+    Heartbeat,
+    Hello,
+    Tokens,
+    client_reply_decoder,
+    encode,
+)
 
 PROMPT_LEN = 64
 WARMUP_STEPS = 8
@@ -103,6 +119,28 @@ def rtt_us(client: Client, n: int = 2000) -> float:
     return statistics.median(samples)
 
 
+def internal_rtt_us(key: ClusterKey | None, n: int = 2000) -> float:
+    """Median microseconds of a small message from a DEALER to a ROUTER and back, as pdrt's sockets carry it."""
+    ctx = zmq.Context()
+    router = make_socket(ctx, SocketSpec(zmq.ROUTER, "tcp://127.0.0.1:*", bind=True, key=key))
+    dealer = make_socket(ctx, SocketSpec(zmq.DEALER, bound_address(router), bind=False, identity=b"decode-0",
+                                         key=key))
+    frame = encode(Heartbeat("decode-0", "0123abcd"))
+    samples = []
+    try:
+        for i in range(n + 100):  # the first ones include the handshake
+            start = time.perf_counter()
+            dealer.send(frame)
+            identity, payload = router.recv_multipart()
+            router.send_multipart([identity, payload])
+            dealer.recv()
+            if i >= 100:
+                samples.append((time.perf_counter() - start) * 1e6)
+    finally:
+        ctx.destroy(linger=0)
+    return statistics.median(samples)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint directory (default: SmolLM2 if fetched, else a tiny model)")
@@ -126,7 +164,15 @@ def main() -> None:
         print(f"control round trip  {rtt:8.1f} us (GetStatus, median of 2000)")
         runtime_rate = runtime_steps_per_s(client, prompts, args.window, args.repeats)
         print(f"decode worker       {runtime_rate:8.1f} decode steps/s (tokens per request per second at the client)")
-    print(f"overhead runtime_vs_engine={runtime_rate / engine_rate:.3f} rtt_us={rtt:.0f}")
+    plain, curve = [], []
+    for _ in range(args.repeats):
+        plain.append(internal_rtt_us(None))
+        curve.append(internal_rtt_us(ClusterKey.generate()))
+    plain_us, curve_us = statistics.median(plain), statistics.median(curve)
+    print(f"internal round trip {plain_us:8.1f} us plain, {curve_us:.1f} us under the cluster key (CURVE), "
+          f"x{curve_us / plain_us:.2f}")
+    print(f"overhead runtime_vs_engine={runtime_rate / engine_rate:.3f} rtt_us={rtt:.0f} "
+          f"internal_rtt_us={plain_us:.0f} curve_rtt_us={curve_us:.0f}")
 
 
 if __name__ == "__main__":

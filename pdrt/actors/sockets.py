@@ -10,6 +10,7 @@ not hang shutdown) and explicit high-water marks (a slow peer makes sends
 fail fast instead of growing memory without bound).
 """
 
+import asyncio
 from dataclasses import dataclass
 
 import zmq
@@ -52,6 +53,16 @@ def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
         sock.close()
         raise
     return sock
+
+
+def send_now(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """Send `frames` as one message without waiting, or raise zmq.ZMQError (the peer is gone or not reading).
+
+    An asyncio socket reports a failed NOBLOCK send in the future it returns, not by raising: read there, the
+    error reaches the caller, and no future is left holding an exception that nobody retrieves."""
+    result = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    if isinstance(result, asyncio.Future) and result.done() and result.exception() is not None:
+        raise result.exception()
 
 
 def bound_address(sock: zmq.asyncio.Socket) -> str:

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from pdrt.actors.actor import Actor
-from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import link_identity
 from pdrt.metrics.aggregator import MetricsAggregator
 from pdrt.metrics.metrics_server import MetricsServer
@@ -76,7 +76,7 @@ class Controller(Actor):
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         try:
-            self.socket.send_multipart([identity, encode(message)], flags=zmq.NOBLOCK)
+            send_now(self.socket, [identity, encode(message)])
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
             log.debug("controller could not reach a process", identity=identity, error=str(exc))
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from pdrt.actors.cluster_key import ClusterKey
-from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.metrics.process_metrics import process_exposition
 from pdrt.wire import (
     PROTOCOL_VERSION,
@@ -68,7 +68,7 @@ class ControllerLink:
 
     def _send(self, message: msgspec.Struct) -> None:
         try:
-            self.socket.send(encode(message), flags=zmq.NOBLOCK)
+            send_now(self.socket, [encode(message)])
         except zmq.ZMQError as exc:
             log.warning("controller link could not send", error=str(exc))
 

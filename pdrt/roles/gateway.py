@@ -5,8 +5,9 @@ Life cycle of a request in the gateway:
 1. a client frame is size-checked and decoded into its type (a bad frame
    gets an `Error` reply and changes nothing); the client must have said
    `Hello` with our protocol version first;
-2. `Generate`: the prompt is tokenized (chat template for messages) and
-   checked against the context, then routed: a prefill and a decode worker
+2. `Generate`: the prompt is tokenized (chat template for messages; a
+   large one on a thread of its own, prompt_renders.py) and checked against
+   the context, then routed: a prefill and a decode worker
    (or one colocated worker) picked from the controller's view; with no live
    worker the request waits in `unrouted` until one appears or it times out;
 3. worker outputs (`StepOutputs`) are detokenized and streamed to the client,
@@ -36,7 +37,7 @@ import zmq
 import zmq.asyncio
 
 from pdrt.actors.actor import Actor, ActorRef
-from pdrt.actors.sockets import SocketSpec, make_socket
+from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.model_loader import load_tokenizer
 from pdrt.errors import (
@@ -184,7 +185,7 @@ class Gateway(Actor):
                 self.http.deliver(message)
             return
         try:
-            self.clients.send_multipart([identity, *map(encode, messages)], flags=zmq.NOBLOCK)
+            send_now(self.clients, [identity, *map(encode, messages)])
         except zmq.ZMQError as exc:  # the client left, or stopped reading
             if identity not in self.gone_clients:
                 log.info("client unreachable; ending its requests", error=str(exc))
@@ -208,7 +209,7 @@ class Gateway(Actor):
         if isinstance(message, tuple):
             self._client_frame(message[1], message[2])
         elif isinstance(message, Rendered):
-            self._rendered(message)
+            self._take(message.identity, message)
         elif isinstance(message, StepOutputs):
             self.table.outputs(message)
         elif isinstance(message, RequestFailed):
@@ -267,9 +268,13 @@ class Gateway(Actor):
             self._reply(identity, Error("handshake_required", "send Hello with the protocol version first",
                                         _request_id(message)))
         else:
-            error = self._client_message(identity, message)
-            if error is not None:
-                self._reply(identity, Error(error.code, str(error), _request_id(message)))
+            self._take(identity, message)
+
+    def _take(self, identity: bytes, message: object) -> None:
+        """Take a client message; a refusal goes back to the client as an error."""
+        error = self._client_message(identity, message)
+        if error is not None:
+            self._reply(identity, Error(error.code, str(error), _request_id(message)))
 
     def _client_message(self, identity: bytes, message: object) -> PdrtError | None:
         """Take a decoded client message (native or HTTP); a refusal is returned, for the caller to report.
@@ -306,11 +311,7 @@ class Gateway(Actor):
 
     def _rendered(self, rendered: Rendered) -> None:
         """A large prompt is tokenized: its request goes on (or ends with the render's error)."""
-        wanted = self.renders.finish(rendered)
-        try:
-            rendered.then(rendered.result if wanted else None)
-        except PdrtError as exc:
-            self._reply(rendered.identity, Error(exc.code, str(exc), rendered.request_id))
+        rendered.then(rendered.result if self.renders.finish(rendered) else None)
 
     def _client_request(self, identity: bytes, message: object) -> None:
         if isinstance(message, Generate):
@@ -329,6 +330,8 @@ class Gateway(Actor):
             self.drafts.abandon(identity, message.draft_id)
         elif isinstance(message, DraftText):
             self.drafts.set_text(identity, message.draft_id, message.text)
+        elif isinstance(message, Rendered):
+            self._rendered(message)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
