@@ -4,8 +4,9 @@
     SmolLM2-135M's KV layout (30 layers, 3 KV heads, head_dim 64, float32,
     block size 16) and exports the 128 blocks of a 2048-token prompt (~94 MB,
     in four runs of a 256-block pool). This process pulls them into other
-    block ids of its own pool through each backend, and copies the same
-    bytes between two contiguous tensors (`dst.copy_(src)`, the memcpy bound).
+    block ids of its own pool through each backend (TCP also under the
+    cluster key, CURVE, as a node runs it), and copies the same bytes
+    between two contiguous tensors (`dst.copy_(src)`, the memcpy bound).
 (b) Handoff. This process prefills 512- and 2048-token prompts with an
     LLMEngine whose pool lives in an shm source; a decode process (spawned)
     with its own pool of the same layout pulls the prompt's blocks on
@@ -15,7 +16,7 @@
 Every process uses one torch thread (the machine has two cores). Each figure
 is a median: of repetitions lasting at least a second (and at least five)
 for bandwidth, of --repeats prompts for the handoff. The last line is
-`transfer shm_vs_memcpy=X tcp_vs_memcpy=Y handoff_vs_prefill_2048=Z`.
+`transfer shm_vs_memcpy=X tcp_vs_memcpy=Y tcp_key_vs_memcpy=K handoff_vs_prefill_2048=Z`.
 """
 
 import argparse
@@ -31,13 +32,14 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from pdrt.actors.cluster_key import ClusterKey
 from pdrt.engine import EngineConfig, LLMEngine, SamplingParams
 from pdrt.engine.model_loader import load_model
 from pdrt.errors import TransferError
 from pdrt.models.fetch import default_model_dir, is_fetched
 from pdrt.testing.prompts import random_prompts
 from pdrt.testing.tiny_model import build_tiny_model
-from pdrt.transport import TransferBackend, make_puller, make_source
+from pdrt.transport import KVPuller, TransferBackend, make_puller, make_source
 from pdrt.transport.copy import coalesce
 from pdrt.transport.shm import remove_segments
 from pdrt.wire import KVSourceDescriptor
@@ -69,38 +71,41 @@ def median_seconds(run: Callable[[], None]) -> float:
 # -- (a) bandwidth ------------------------------------------------------------
 
 
-def serve_sources(conn: Connection, run_id: str) -> None:
-    """The source process: both backends' pools, filled and exported, until told to stop."""
+def serve_sources(conn: Connection, run_id: str, key: str) -> None:
+    """The source process: both backends' pools, and TCP's under the cluster key, filled and exported, until told
+    to stop."""
     torch.set_num_threads(1)
     sources = []
-    for backend in (TransferBackend.SHM, TransferBackend.TCP):
-        source = make_source(backend, f"{run_id}-prefill-{backend.name.lower()}", "127.0.0.1")
+    for name, backend, source_key in (("shm", TransferBackend.SHM, None), ("tcp", TransferBackend.TCP, None),
+                                      ("tcp+key", TransferBackend.TCP, ClusterKey.parse(key))):
+        source = make_source(backend, f"{run_id}-prefill-{name.replace('+', '-')}", "127.0.0.1", source_key)
         source.allocate(SMOLLM2_SHAPE, torch.float32).copy_(pattern(SMOLLM2_SHAPE, backend))
         source.export("bench", SRC_IDS, time.monotonic() + 3600)
-        sources.append(source)
-    conn.send([source.descriptor for source in sources])
+        sources.append((name, source))
+    conn.send([(name, source.descriptor) for name, source in sources])
     conn.recv()
-    for source in sources:
+    for _, source in sources:
         source.close()
 
 
 def bench_bandwidth(ctx: mp.context.SpawnContext, run_id: str) -> dict[str, float]:
     """GB/s of memcpy, shm pull and TCP pull of one 2048-token prompt's KV."""
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve_sources, args=(child, run_id), daemon=True)
+    key = ClusterKey.generate()
+    proc = ctx.Process(target=serve_sources, args=(child, run_id, key.text), daemon=True)
     proc.start()
     try:
-        descriptors: list[KVSourceDescriptor] = parent.recv()
+        descriptors: list[tuple[str, KVSourceDescriptor]] = parent.recv()
         dst = torch.zeros(SMOLLM2_SHAPE)
-        puller = make_puller(dst)
+        pullers = {False: make_puller(dst), True: make_puller(dst, "decode-0", key)}
         n = len(SRC_IDS)
         num_bytes = dst[:, :, :n].numel() * dst.element_size()
         src_flat, dst_flat = torch.randn(num_bytes // 4), torch.zeros(num_bytes // 4)
         seconds = {"memcpy": median_seconds(lambda: dst_flat.copy_(src_flat))}
-        for descriptor in descriptors:
-            name = TransferBackend(descriptor.backend).name.lower()
+        for name, descriptor in descriptors:
+            puller = pullers[name.endswith("+key")]
 
-            def pull(d: KVSourceDescriptor = descriptor) -> None:
+            def pull(d: KVSourceDescriptor = descriptor, puller: KVPuller = puller) -> None:
                 puller.pull(d, "bench", SRC_IDS, DST_IDS, time.monotonic() + LEASE_S, 30.0)
 
             pull()  # maps the segment, connects the socket
@@ -108,7 +113,8 @@ def bench_bandwidth(ctx: mp.context.SpawnContext, run_id: str) -> dict[str, floa
             if not torch.equal(dst[:, :, DST_IDS], expected):
                 raise SystemExit(f"{name} pull copied the wrong bytes")
             seconds[name] = median_seconds(pull)
-        puller.close()
+        for puller in pullers.values():
+            puller.close()
     finally:
         parent.send("stop")
         proc.join(10)
@@ -118,7 +124,7 @@ def bench_bandwidth(ctx: mp.context.SpawnContext, run_id: str) -> dict[str, floa
     print(f"{'path':<8}{'ms':>9}{'GB/s':>8}{'vs memcpy':>11}")
     for name, s in seconds.items():
         print(f"{name:<8}{s * 1e3:>9.2f}{gbps[name]:>8.2f}{gbps[name] / gbps['memcpy']:>11.3f}")
-    return {name: gbps[name] / gbps["memcpy"] for name in ("shm", "tcp")}
+    return {name: gbps[name] / gbps["memcpy"] for name in ("shm", "tcp", "tcp+key")}
 
 
 # -- (b) handoff --------------------------------------------------------------
@@ -215,7 +221,7 @@ def main() -> None:
     finally:
         remove_segments(run_id)
     print(f"transfer shm_vs_memcpy={bandwidth['shm']:.3f} tcp_vs_memcpy={bandwidth['tcp']:.3f} "
-          f"handoff_vs_prefill_2048={handoff[2048]:.3f}")
+          f"tcp_key_vs_memcpy={bandwidth['tcp+key']:.3f} handoff_vs_prefill_2048={handoff[2048]:.3f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ source serves an export only to its decode worker, each block at most once."""
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from pdrt.actors.cluster_key import ClusterKey, zap_handler
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.errors import ConfigError, TransferError
 from pdrt.node_config import NodeConfig
-from pdrt.roles.messaging import Inbox
+from pdrt.roles.messaging import Inbox, Senders
 from pdrt.transport import TransferBackend, make_puller, make_source
 from pdrt.wire import Abort, KVAck, RequestFailed, Withdrawn, encode
 
@@ -32,20 +33,34 @@ def test_a_key_is_40_characters_of_z85_and_a_config_refuses_anything_else():
     assert NodeConfig(model="/m", cluster_key=KEY.text).key == KEY
 
 
+async def inbox_hears(senders: Senders, send: Callable[[zmq.asyncio.Context, str], Awaitable[list[zmq.Socket]]]
+                      ) -> tuple[list[object], int]:
+    """What an inbox under KEY that takes `senders` hands its handler while `send(ctx, address)` sends to it (and
+    returns its sockets, kept open meanwhile), and how many handshakes its ZAP handler refused."""
+    ctx = zmq.asyncio.Context()
+    received: list[object] = []
+
+    async def handler(message: object) -> None:
+        received.append(message)
+
+    inbox = Inbox(ctx, "tcp://127.0.0.1:*", handler, senders, KEY)
+    inbox.start()
+    try:
+        sockets = await send(ctx, inbox.address)
+        await asyncio.sleep(1.0)
+        del sockets  # held until here: a socket that is collected closes, and drops what it has not sent
+        return received, zap_handler(ctx).num_refused
+    finally:
+        inbox.close()
+        ctx.destroy(linger=0)  # closes every socket the test made too
+
+
 def test_an_inbox_hears_key_holders_and_refuses_everyone_else_before_decoding():
-    async def main() -> tuple[list[object], int]:
-        ctx = zmq.asyncio.Context()
-        received: list[object] = []
-
-        async def handler(message: object) -> None:
-            received.append(message)
-
-        inbox = Inbox(ctx, "tcp://127.0.0.1:*", handler, {Abort: ("gateway",), KVAck: ("decode",)}, KEY)
-        inbox.start()
+    async def send(ctx: zmq.asyncio.Context, address: str) -> list[zmq.Socket]:
         senders = {
-            "holder": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway", key=KEY)),
-            "no key": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway")),
-            "another key": make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"gateway",
+            "holder": make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"gateway", key=KEY)),
+            "no key": make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"gateway")),
+            "another key": make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"gateway",
                                                        key=ClusterKey.generate())),
         }
         # Knows the cluster's public key (the server's) but not its secret: CURVE would let it in, ZAP does not.
@@ -54,48 +69,31 @@ def test_an_inbox_hears_key_holders_and_refuses_everyone_else_before_decoding():
         spy.curve_publickey, spy.curve_secretkey = zmq.curve_keypair()
         spy.curve_serverkey = KEY.public
         spy.setsockopt(zmq.IDENTITY, b"gateway")
-        spy.connect(inbox.address)
+        spy.connect(address)
         senders["spy"] = spy
         for name, sock in senders.items():
             await sock.send(encode(Abort(name)))
-        decode = make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"decode-0", key=KEY))
+        decode = make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"decode-0", key=KEY))
         await decode.send(encode(Abort("from a decode worker")))  # Abort comes from gateways only
         await decode.send(encode(KVAck("acked")))
-        await asyncio.sleep(1.0)
-        refused = zap_handler(ctx).num_refused
-        for sock in (*senders.values(), decode):
-            sock.close()
-        inbox.close()
-        ctx.destroy(linger=0)
-        return received, refused
+        return [*senders.values(), decode]
 
-    received, refused = run(main())
+    received, refused = run(inbox_hears({Abort: ("gateway",), KVAck: ("decode",)}, send))
     assert received == [Abort("holder"), KVAck("acked")]
     assert refused >= 1  # the spy; the others fail the handshake itself
 
 
 def test_an_inbox_drops_a_message_sent_in_another_process_name():
-    async def main() -> list[object]:
-        ctx = zmq.asyncio.Context()
-        received: list[object] = []
-
-        async def handler(message: object) -> None:
-            received.append(message)
-
-        inbox = Inbox(ctx, "tcp://127.0.0.1:*", handler, {RequestFailed: ("decode",), Withdrawn: ("prefill",)}, KEY)
-        inbox.start()
-        decode = make_socket(ctx, SocketSpec(zmq.DEALER, inbox.address, False, b"decode-1", key=KEY))
+    async def send(ctx: zmq.asyncio.Context, address: str) -> list[zmq.Socket]:
+        decode = make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"decode-1", key=KEY))
         await decode.send(encode(RequestFailed("r", "x", "forged", False, "decode-0")))
         await decode.send(encode(RequestFailed("r", "x", "own", False, "decode-1")))
         await decode.send(b"\x93" + b"\x91" * 50_000)  # nested past Python's recursion limit
         await decode.send(encode(Withdrawn("r", True, "decode-1")))  # a decode worker withdraws nothing
-        await asyncio.sleep(0.5)
-        decode.close()
-        inbox.close()
-        ctx.destroy(linger=0)
-        return received
+        return [decode]
 
-    assert run(main()) == [RequestFailed("r", "x", "own", False, "decode-1")]
+    received, _ = run(inbox_hears({RequestFailed: ("decode",), Withdrawn: ("prefill",)}, send))
+    assert received == [RequestFailed("r", "x", "own", False, "decode-1")]
 
 
 @pytest.fixture
