@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "rb") as f:
             config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY, ...
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
+    except ConfigError as exc:  # retrying cannot help (systemd's units do not retry exit status 2)
+        log.error("process cannot start", process=name, code=exc.code, error=str(exc))
+        return 2
     except PdrtError as exc:
         log.error("process failed", process=name, code=exc.code, error=str(exc))
         return 1

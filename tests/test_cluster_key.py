@@ -3,6 +3,9 @@ before a message is decoded; among holders, an inbox takes each message only fro
 source serves an export only to its decode worker, each block at most once."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -130,3 +133,11 @@ def test_a_kv_source_serves_an_export_only_to_its_decode_worker_and_each_block_o
     with pytest.raises(TransferError, match="no answer"):  # no key: the handshake never completes
         pull(source, "decode-0", None, [2], timeout_s=0.5)
     assert torch.equal(pull(source, "decode-0", KEY, [3])[:, :, 0], pool[:, :, 3])  # and it still serves
+
+
+def test_a_process_without_the_key_refuses_to_start_and_says_why(tmp_path):
+    (tmp_path / "node.json").write_bytes(NodeConfig(model="unused").to_json())
+    env = {k: v for k, v in os.environ.items() if k != "PDRT_CLUSTER_KEY"}
+    done = subprocess.run([sys.executable, "-m", "pdrt.process", "controller"], capture_output=True, text=True,
+                          timeout=60, env={**env, "PDRT_NODE_CONFIG": str(tmp_path / "node.json")})
+    assert done.returncode == 2 and "no cluster key" in done.stderr
