@@ -5,7 +5,6 @@ so that `pdrt generate ... > answer.txt` holds the answer alone.
 """
 
 import argparse
-import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -38,11 +37,10 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_SERVER = "tcp://127.0.0.1:7100"  # the gateway's default port (pdrt/node_config.py)
-
-
 def _server_address(arg: str | None) -> str:
-    return arg or os.environ.get("PDRT_SERVER") or DEFAULT_SERVER
+    from pdrt.client.server_address import default_server
+
+    return arg or default_server()
 
 
 def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
@@ -176,7 +174,8 @@ def _generate_local(args: argparse.Namespace) -> int:
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="ADDRESS",
-                        help=f"the gateway (default: $PDRT_SERVER, else {DEFAULT_SERVER})")
+                        help="the gateway (default: $PDRT_SERVER, else tcp://$PDRT_HOST:$PDRT_PORT, those "
+                             "defaulting to 127.0.0.1 and 7100 as for `pdrt up`)")
     parser.add_argument("--serve", action="store_true",
                         help="when no server listens at the address, run `pdrt up` there for this command")
     parser.add_argument("--model", help="with --serve (or --local): checkpoint directory (default: the fetched "

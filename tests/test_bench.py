@@ -157,6 +157,17 @@ def test_csv_and_jsonl_traces_read_alike(tmp_path):
     assert read_trace(jsonl_path) == rows
 
 
+def test_an_azure_llm_inference_trace_reads_as_published(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44\n"
+                    "2023-11-16 18:15:50.9951690,396,109\n"
+                    "2023-11-16 18:15:46.2000000,879,45\n")
+    rows = read_trace(path)
+    assert [(round(r.arrival_s, 6), r.shape.input_tokens, r.shape.output_tokens) for r in rows] == \
+           [(0.0, 879, 45), (0.48059, 374, 44), (4.795169, 396, 109)]
+
+
 @pytest.mark.parametrize(("name", "text", "message"), [
     ("bad.csv", "arrival_s,input_tokens,output_tokens\n0,10,5\n1,ten,5\n", "bad.csv:3: input_tokens must be a number"),
     ("neg.csv", "arrival_s,input_tokens,output_tokens\n-1,10,5\n", "arrival_s must be >= 0"),
@@ -167,6 +178,8 @@ def test_csv_and_jsonl_traces_read_alike(tmp_path):
                                                                                                    "not JSON"),
     ("list.jsonl", "[0, 1, 2]\n", "each line must be a JSON object"),
     ("empty.csv", "", "no header row"),
+    ("when.csv", "time,input_tokens,output_tokens\nyesterday,10,5\n", "seconds or an ISO 8601 date-time"),
+    ("mixed.csv", "time,input_tokens,output_tokens\n2023-11-16 18:15:46,10,5\n3.5,10,5\n", "mix date-times"),
 ])
 def test_bad_trace_rows_stop_the_load_with_where_and_why(tmp_path, name, text, message):
     path = tmp_path / name

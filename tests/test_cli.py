@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from pdrt.client.server_address import default_server
 from pdrt.client.spawned_server import is_listening
 from pdrt.testing.node import free_port
 
@@ -40,3 +41,12 @@ def test_generate_with_serve_starts_a_server_for_the_command_and_stops_it_after(
     assert proc.stdout.strip()
     assert "starting one" in proc.stderr
     assert not is_listening(address)
+
+
+def test_clients_look_for_the_server_where_pdrt_up_puts_it_by_the_same_variables():
+    port = free_port()
+    proc = run_pdrt("generate", "hello", env={"PDRT_HOST": "127.0.0.1", "PDRT_PORT": str(port)})
+    assert proc.returncode == 2 and f"nothing listens at tcp://127.0.0.1:{port}" in proc.stderr
+    assert default_server({}) == "tcp://127.0.0.1:7100"
+    assert default_server({"PDRT_HOST": "::1", "PDRT_PORT": "7600"}) == "tcp://[::1]:7600"
+    assert default_server({"PDRT_SERVER": "tcp://10.0.0.1:7100", "PDRT_PORT": "7600"}) == "tcp://10.0.0.1:7100"

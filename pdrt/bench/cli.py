@@ -18,9 +18,8 @@ from pdrt.bench.record import RequestRecord
 from pdrt.bench.runner import BenchOptions, run_sweep
 from pdrt.bench.stats import Slo
 from pdrt.bench.workloads import WORKLOADS
+from pdrt.client.server_address import default_server
 from pdrt.errors import ConfigError
-
-DEFAULT_SERVER = "tcp://127.0.0.1:7100"
 
 
 def parse_rates(rates: str | None, sweep: str | None) -> list[float]:
@@ -49,9 +48,10 @@ def parse_rates(rates: str | None, sweep: str | None) -> list[float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("server")
     where.add_argument("--server", metavar="ADDRESS",
-                       help=f"a pdrt gateway, native protocol (default: $PDRT_SERVER, else {DEFAULT_SERVER})")
+                       help="a pdrt gateway, native protocol (default: $PDRT_SERVER, else "
+                            "tcp://$PDRT_HOST:$PDRT_PORT, as for `pdrt up`)")
     where.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible server instead, e.g. "
-                                                         "http://127.0.0.1:7180/v1")
+                                                         "http://127.0.0.1:7180/v1)")
     where.add_argument("--model", help="OpenAI: the model to ask for (default: the first /v1/models lists)")
     where.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="OpenAI: bearer key "
                                                                                     "(default: $OPENAI_API_KEY)")
@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def target_from(args: argparse.Namespace) -> Target:
-    address = args.base_url or args.server or os.environ.get("PDRT_SERVER") or DEFAULT_SERVER
+    address = args.base_url or args.server or default_server()
     try:
         extra = json.loads(args.extra_body) if args.extra_body else {}
     except json.JSONDecodeError as exc:

@@ -1,17 +1,22 @@
 """Trace files: recorded load to replay, one request a row, as CSV (with a header) or JSON Lines.
 
 Each row names when the request arrived (seconds from the start of the
-trace), how long its prompt was and how many tokens it produced; an optional
-`conversation` groups requests whose prompts share a prefix. Common column
-names of other tools are understood too (`timestamp`, `prompt_tokens`,
-`completion_tokens`, ...). A row that cannot be read stops the load with its
-line number, rather than replaying a trace different from the one recorded.
+trace, or a date and time), how long its prompt was and how many tokens it
+produced; an optional `conversation` groups requests whose prompts share a
+prefix. Column names are case-insensitive, and those of other tools and
+published traces are understood too (`timestamp`, `prompt_tokens`,
+`completion_tokens`, ...; the Azure LLM inference traces' `TIMESTAMP`,
+`ContextTokens`, `GeneratedTokens`); date-time arrivals (ISO 8601, as those
+traces write them) become seconds from the earliest. A row that cannot be
+read stops the load with its line number, rather than replaying a trace
+different from the one recorded.
 """
 
 import csv
 import json
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from pdrt.bench.workloads import RequestShape
@@ -19,8 +24,9 @@ from pdrt.errors import ConfigError
 
 COLUMNS = {
     "arrival_s": ("arrival_s", "arrival_time", "arrival", "timestamp", "time"),
-    "input_tokens": ("input_tokens", "input_len", "input_length", "prompt_tokens", "prompt_len"),
-    "output_tokens": ("output_tokens", "output_len", "output_length", "completion_tokens", "max_tokens"),
+    "input_tokens": ("input_tokens", "input_len", "input_length", "prompt_tokens", "prompt_len", "contexttokens"),
+    "output_tokens": ("output_tokens", "output_len", "output_length", "completion_tokens", "max_tokens",
+                      "generatedtokens"),
 }
 
 
@@ -54,29 +60,44 @@ def _number(value: object, field: str, where: str, kind: type) -> float | int:
     return number
 
 
-def _row(raw: dict, where: str) -> TraceRow:
-    arrival = _number(_pick(raw, "arrival_s", where), "arrival_s", where, float)
-    inp = _number(_pick(raw, "input_tokens", where), "input_tokens", where, int)
-    out = _number(_pick(raw, "output_tokens", where), "output_tokens", where, int)
+def _arrival(value: object, where: str) -> float | datetime:
+    """Seconds from the trace's start, or the date and time of an ISO 8601 string."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            try:
+                return datetime.fromisoformat(value.strip())
+            except ValueError:
+                raise ConfigError(f"{where}: arrival_s must be seconds or an ISO 8601 date-time, got {value!r}") \
+                    from None
+    arrival = _number(value, "arrival_s", where, float)
     if arrival < 0:
         raise ConfigError(f"{where}: arrival_s must be >= 0, got {arrival}")
+    return arrival
+
+
+def _row(raw: dict, where: str) -> tuple[float | datetime, RequestShape]:
+    raw = {str(name).strip().lower(): value for name, value in raw.items()}
+    arrival = _arrival(_pick(raw, "arrival_s", where), where)
+    inp = _number(_pick(raw, "input_tokens", where), "input_tokens", where, int)
+    out = _number(_pick(raw, "output_tokens", where), "output_tokens", where, int)
     if inp < 1 or out < 1:
         raise ConfigError(f"{where}: input_tokens and output_tokens must be >= 1, got {inp} and {out}")
     conversation = raw.get("conversation")
     conversation = -1 if conversation in (None, "") else _number(conversation, "conversation", where, int)
-    return TraceRow(float(arrival), RequestShape(inp, out, conversation))
+    return arrival, RequestShape(inp, out, conversation)
 
 
-def _csv_rows(path: Path) -> list[TraceRow]:
+def _csv_rows(path: Path) -> list[tuple[float | datetime, RequestShape]]:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames:
             raise ConfigError(f"{path}: empty, or no header row")
-        reader.fieldnames = [name.strip() for name in reader.fieldnames]
         return [_row(raw, f"{path}:{reader.line_num}") for raw in reader]
 
 
-def _jsonl_rows(path: Path) -> list[TraceRow]:
+def _jsonl_rows(path: Path) -> list[tuple[float | datetime, RequestShape]]:
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -100,4 +121,12 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     rows = _csv_rows(path) if path.suffix.lower() == ".csv" else _jsonl_rows(path)
     if not rows:
         raise ConfigError(f"{path}: the trace has no requests")
-    return sorted(rows, key=lambda r: r.arrival_s)
+    times = [arrival for arrival, _ in rows if isinstance(arrival, datetime)]
+    if times and len(times) != len(rows):
+        raise ConfigError(f"{path}: arrivals mix date-times and seconds")
+    if times:
+        if len({t.tzinfo is None for t in times}) > 1:
+            raise ConfigError(f"{path}: arrivals mix date-times with and without a time zone")
+        start = min(times)
+        rows = [((arrival - start).total_seconds(), shape) for arrival, shape in rows]  # type: ignore[operator]
+    return sorted((TraceRow(float(arrival), shape) for arrival, shape in rows), key=lambda r: r.arrival_s)

@@ -13,7 +13,6 @@ so that building the `pdrt` parser stays cheap.
 
 import argparse
 import math
-import os
 import time
 import urllib.request
 from typing import TYPE_CHECKING
@@ -33,7 +32,7 @@ DECODING_ROLES = ("decode", "colocated")
 def add_status_parser(sub: "argparse._SubParsersAction") -> None:
     status = sub.add_parser("status", help="a live table: workers, SLO attainment, TTFT/TPOT, health indices")
     status.add_argument("--server", metavar="ADDRESS", help="the gateway (default: $PDRT_SERVER, else "
-                                                            "tcp://127.0.0.1:7100)")
+                                                            "tcp://$PDRT_HOST:$PDRT_PORT, as for `pdrt up`)")
     status.add_argument("--metrics", metavar="URL", help="Prometheus text of the node (default: the controller's "
                                                          f"metrics port, http://<server host>:{DEFAULT_METRICS_PORT}"
                                                          "/metrics)")
@@ -48,11 +47,11 @@ def default_metrics_url(server: str) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pdrt.cli import DEFAULT_SERVER
     from pdrt.client import Client
+    from pdrt.client.server_address import default_server
     from pdrt.errors import PdrtError
 
-    server = args.server or os.environ.get("PDRT_SERVER") or DEFAULT_SERVER
+    server = args.server or default_server()
     metrics_url = args.metrics or default_metrics_url(server)
     client: Client | None = None
     try:
