@@ -63,7 +63,9 @@ def _connected(args: argparse.Namespace) -> Iterator["Client"]:
             if not args.serve:
                 raise ServerUnreachableError(f"nothing listens at {address}; start a server with `pdrt up`, "
                                              "or pass --serve")
-            stack.enter_context(SpawnedServer(address, args.model, ready_timeout_s=args.ready_timeout))
+            server = SpawnedServer.at(address, args.model, ready_timeout_s=args.ready_timeout)
+            print(f"pdrt: no server at {address}; starting one (log: {server.log_path})", file=sys.stderr)
+            stack.enter_context(server)
         yield stack.enter_context(Client(address, timeout_s=args.timeout))
 
 

@@ -1,7 +1,10 @@
 """Every exception pdrt raises on purpose, in one place.
 
 Each carries a stable `code` so that a process boundary (the client protocol,
-the HTTP front) can turn it into a typed error reply without string matching.
+the HTTP front) can turn it into a typed error reply without string matching,
+and a client can turn the reply back into the class (`error_classes`). A code
+belongs to the one class that defines it; subclasses that only narrow where
+an error comes from inherit theirs.
 """
 
 
@@ -65,16 +68,14 @@ class ActorStoppedError(PdrtError):
     code = "actor_stopped"
 
 
-class AskTimeoutError(PdrtError):
-    """An `ask` got no reply within its timeout."""
-
-    code = "timeout"
-
-
 class RequestTimeoutError(PdrtError):
     """A request did not finish before its deadline."""
 
     code = "timeout"
+
+
+class AskTimeoutError(RequestTimeoutError):
+    """An `ask` got no reply within its timeout: the request that asked has timed out."""
 
 
 class OverloadedError(PdrtError):
@@ -97,12 +98,6 @@ class ProtocolError(PdrtError):
     """A frame that does not decode into its expected type, or a peer that speaks another version."""
 
     code = "invalid_frame"
-
-
-class UnsupportedError(PdrtError):
-    """A well-formed request for something this server does not offer."""
-
-    code = "unsupported"
 
 
 class UnavailableError(PdrtError):
@@ -147,3 +142,21 @@ class ConnectionForgottenError(ProtocolError):
     """The gateway asked for a handshake on a connection that had made one: it restarted, and forgot it."""
 
     code = "handshake_required"
+
+
+class UnsupportedVersionError(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    code = "unsupported_version"
+
+
+def error_classes() -> dict[str, type[PdrtError]]:
+    """Every code and the class that defines it."""
+    classes: dict[str, type[PdrtError]] = {}
+    pending: list[type[PdrtError]] = [PdrtError]
+    while pending:
+        cls = pending.pop(0)
+        pending += cls.__subclasses__()
+        if "code" in vars(cls):
+            classes.setdefault(cls.code, cls)
+    return classes

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pdrt.bench.runner import BenchResult
 from pdrt.bench.stats import Distribution, RateSummary
+from pdrt.text_table import aligned
 
 
 def _ms(value: float | None) -> str:
@@ -35,9 +36,7 @@ def _row(s: RateSummary) -> list[str]:
 
 def format_table(result: BenchResult) -> str:
     """The rates as rows (latencies in ms), then the SLOs, any warnings and goodput."""
-    rows = [HEADER] + [_row(s) for s in result.summaries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    lines = aligned([HEADER] + [_row(s) for s in result.summaries], right=True)
     slo = result.options.slo
     lines.append(f"SLOs: TTFT <= {slo.ttft_s * 1000:g} ms and TPOT <= {slo.tpot_s * 1000:g} ms; latencies in ms; "
                  f"{result.target.protocol} protocol, model {result.server.model}, workload "

@@ -1,60 +1,17 @@
 """Turning a server's `Error` frame back into the exception the server raised.
 
 The server sends a stable `code` string, never a class name. The client maps
-each code it knows to the local `PdrtError` subclass of that code, so that
-callers catch `PromptTooLongError` on either side of the wire. A code with no
-class of its own (the gateway's protocol codes, or one from a newer server)
-still becomes a typed error: a `ProtocolError` for handshake failures, a
-`ServerError` otherwise. Either way `.code` is exactly the server's code.
+each code to the local `PdrtError` subclass that defines it
+(`pdrt.errors.error_classes`), so that callers catch `PromptTooLongError` on
+either side of the wire. A code no class defines (one from a newer server)
+still becomes a typed error, a `ServerError`. Either way `.code` is exactly
+the server's code.
 """
 
-from pdrt.errors import (
-    ConfigError,
-    DuplicateRequestError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-    KVPoolFullError,
-    ModelFetchError,
-    ModelLoadError,
-    OverloadedError,
-    PdrtError,
-    PromptTooLongError,
-    ProtocolError,
-    RequestTimeoutError,
-    RequestTooLargeError,
-    ServerError,
-    TransferError,
-    UnavailableError,
-    UnknownRequestError,
-    UnsupportedError,
-    UnsupportedModelError,
-    WorkerLostError,
-)
+from pdrt.errors import PdrtError, ServerError, error_classes
 from pdrt.wire import Error
 
-ERROR_CLASSES: dict[str, type[PdrtError]] = {
-    "invalid_request": InvalidRequestError,
-    "invalid_sampling_params": InvalidSamplingParamsError,
-    "prompt_too_long": PromptTooLongError,
-    "request_too_large": RequestTooLargeError,
-    "duplicate_request": DuplicateRequestError,
-    "kv_pool_full": KVPoolFullError,
-    "unknown_request": UnknownRequestError,
-    "timeout": RequestTimeoutError,
-    "overloaded": OverloadedError,
-    "transfer_failed": TransferError,
-    "unsupported": UnsupportedError,
-    "unavailable": UnavailableError,
-    "worker_lost": WorkerLostError,
-    "model_load": ModelLoadError,
-    "unsupported_model": UnsupportedModelError,
-    "model_fetch": ModelFetchError,
-    "config": ConfigError,
-    # The gateway's handshake and framing codes: all are protocol failures.
-    "invalid_frame": ProtocolError,
-    "handshake_required": ProtocolError,
-    "unsupported_version": ProtocolError,
-}
+ERROR_CLASSES: dict[str, type[PdrtError]] = error_classes()
 
 
 def error_from_reply(reply: Error) -> PdrtError:

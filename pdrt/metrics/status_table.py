@@ -18,6 +18,8 @@ import urllib.request
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from pdrt.text_table import aligned
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -114,11 +116,6 @@ def _per_process(families: "list[Metric]", sample_name: str) -> dict[str, float]
     return {labels.get("process", ""): value for labels, value in samples(families, sample_name)}
 
 
-def _columns(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
 def worker_rows(status: "Status", families: "list[Metric] | None") -> list[str]:
     hit_rate = _per_process(families or [], "pdrt_worker_prefix_cache_hit_rate")
     psi = _per_process(families or [], "pdrt_health_psi")
@@ -131,7 +128,7 @@ def worker_rows(status: "Status", families: "list[Metric] | None") -> list[str]:
         rows.append([w.process_id, w.role, "yes" if w.alive else "NO", str(load.num_running), str(load.num_waiting),
                      kv, str(load.num_drafts), "-" if math.isnan(hits) else f"{100 * hits:.0f}%",
                      _number(psi.get(w.process_id, math.nan), 1), _number(ds.get(w.process_id, math.nan), 3)])
-    return _columns(rows)
+    return aligned(rows)
 
 
 def summary_lines(families: "list[Metric]") -> list[str]:
