@@ -41,6 +41,19 @@ class _Envelope:
 _STOP = object()
 
 
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """A message an actor's own timer sends it: time to do its periodic work."""
+
+
+@dataclass(frozen=True, slots=True)
+class FromPeer:
+    """A message that arrived on a socket, with the ZeroMQ identity of the peer that sent it."""
+
+    identity: bytes
+    message: object
+
+
 class Actor:
     """Subclass and override `on_receive`; the other hooks are optional."""
 

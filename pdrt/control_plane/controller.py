@@ -33,7 +33,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from pdrt.actors.actor import Actor
+from pdrt.actors.actor import Actor, FromPeer, Tick
 from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import link_identity
 from pdrt.metrics.aggregator import MetricsAggregator
@@ -91,13 +91,14 @@ class Controller(Actor):
             self._send(gateway.identity, ProcessLost(entry.process_id, entry.incarnation))
 
     async def on_receive(self, message: object) -> None:
-        if message == "tick":
-            for entry in self.registry.expire():
-                self._lost(entry, "lease expired")
-            self._broadcast_view()
-            self._forward_metrics()
-        else:
-            self.handle(*message)
+        match message:
+            case Tick():
+                for entry in self.registry.expire():
+                    self._lost(entry, "lease expired")
+                self._broadcast_view()
+                self._forward_metrics()
+            case FromPeer(identity=identity, message=request):
+                self.handle(identity, request)
 
     def _forward_metrics(self) -> None:
         self.metrics.refresh()
@@ -148,12 +149,12 @@ class Controller(Actor):
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
                 self._send(identity, Error("invalid_frame", str(exc)))
                 continue
-            await ref.deliver((identity, message))
+            await ref.deliver(FromPeer(identity, message))
 
     async def _tick(self, ref) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await ref.deliver("tick")
+            await ref.deliver(Tick())
 
     async def serve(self, stop: asyncio.Event) -> None:
         log.info("controller serving", heartbeat_s=self.heartbeat_s, lease_s=self.registry.lease_s)

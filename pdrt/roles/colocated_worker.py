@@ -8,12 +8,8 @@ disaggregated deployment is measured against, and the simpler deployment for
 short prompts.
 """
 
-import structlog
-
 from pdrt.roles.engine_worker import EngineWorker
 from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, PrefillRequest
-
-log = structlog.get_logger(__name__)
 
 
 class ColocatedWorker(EngineWorker):
@@ -22,19 +18,17 @@ class ColocatedWorker(EngineWorker):
                Abort: ("gateway",)}
 
     async def on_receive(self, message: object) -> None:
-        if isinstance(message, PrefillRequest):
-            self.add_whole_request(message)
-        elif isinstance(message, DraftUpdate):
-            self.draft_update(message)
-        elif isinstance(message, DraftSubmitted):
-            self.draft_submitted(message)
-        elif isinstance(message, Abort):
-            rid = message.request_id
-            self.drafts.pop(rid, None)
-            self.reply_to.pop(rid, None)
-            self.queue_op(rid, lambda: self.engine.abort(rid))
-        else:
-            log.warning("colocated worker ignored a message", message=type(message).__name__)
+        match message:
+            case PrefillRequest():
+                self.add_whole_request(message)
+            case DraftUpdate():
+                self.draft_update(message)
+            case DraftSubmitted():
+                self.draft_submitted(message)
+            case Abort(request_id=rid):
+                self.drafts.pop(rid, None)
+                self.reply_to.pop(rid, None)
+                self.queue_op(rid, lambda: self.engine.abort(rid))
 
     def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
         self.engine.add_request(request_id, submitted.token_ids, submitted.params)

@@ -58,18 +58,16 @@ class DecodeWorker(EngineWorker):
         self.aborted: OrderedDict[str, None] = OrderedDict()  # aborts that may precede or overlap a handoff
 
     async def on_receive(self, message: object) -> None:
-        if isinstance(message, KVHandoff):
-            if message.request_id in self.aborted:
-                self.outbox.send(message.prefill_address, KVAck(message.request_id))
-                return
-            self.reply_to[message.request_id] = message.reply_to
-            self.queue_op(message.request_id, lambda: self._reserve(message))
-        elif isinstance(message, PrefillRequest):  # conditional disaggregation: a short prompt to prefill here
-            self.add_whole_request(message)
-        elif isinstance(message, Abort):
-            self._abort(message.request_id)
-        else:
-            log.warning("decode worker ignored a message", message=type(message).__name__)
+        match message:
+            case KVHandoff(request_id=rid) if rid in self.aborted:
+                self.outbox.send(message.prefill_address, KVAck(rid))
+            case KVHandoff(request_id=rid):
+                self.reply_to[rid] = message.reply_to
+                self.queue_op(rid, lambda: self._reserve(message))
+            case PrefillRequest():  # conditional disaggregation: a short prompt to prefill here
+                self.add_whole_request(message)
+            case Abort(request_id=rid):
+                self._abort(rid)
 
     def _abort(self, request_id: str) -> None:
         self.aborted[request_id] = None

@@ -30,13 +30,14 @@ the drain timeout, then ends the rest with an error.
 import asyncio
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
-from pdrt.actors.actor import Actor, ActorRef
+from pdrt.actors.actor import Actor, ActorRef, FromPeer, Tick
 from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.model_loader import load_tokenizer
@@ -104,6 +105,13 @@ HARD_FRAME_LIMIT = 8 * MAX_CLIENT_FRAME_BYTES
 WORKER_SENDERS = {StepOutputs: WORKER_ROLES, RequestFailed: WORKER_ROLES, Withdrawn: ("prefill",)}
 
 
+@dataclass(frozen=True, slots=True)
+class FromHttp:
+    """A client message from the HTTP front (its replies go to the HTTP identity)."""
+
+    message: object
+
+
 def _request_id(message: object) -> str | None:
     """The id a client waits on for this message: the request's (a submit's too), else the draft's."""
     return getattr(message, "request_id", None) or getattr(message, "draft_id", None)
@@ -147,7 +155,7 @@ class Gateway(Actor):
         if config.gateway.http_port:
             self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
                                   self.max_model_len, config.gateway.request_timeout_s, self._ask_from_http,
-                                  lambda message: self._tell(("http", message)), self.status,
+                                  lambda message: self._tell(FromHttp(message)), self.status,
                                   lambda: self.metrics_view.exposition())
         self.metrics_view = GatewayMetricsView(self.table.metrics, self.status, process_id)
         self._ref: ActorRef | None = None
@@ -172,7 +180,7 @@ class Gateway(Actor):
     async def _ask_from_http(self, message: object) -> PdrtError | None:
         """An HTTP handler's client message, taken by the actor in turn; its refusal comes back."""
         assert self._ref is not None
-        return await self._ref.ask(("http", message), HTTP_ASK_TIMEOUT_S)
+        return await self._ref.ask(FromHttp(message), HTTP_ASK_TIMEOUT_S)
 
     def _reply(self, identity: bytes, message: msgspec.Struct) -> None:
         self._reply_all(identity, [message])
@@ -194,44 +202,45 @@ class Gateway(Actor):
     async def _read_clients(self) -> None:
         while True:
             frames = await self.clients.recv_multipart()
-            await self._deliver(("client", frames[0], frames[1:]))
+            await self._deliver(FromPeer(frames[0], frames[1:]))
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            await self._deliver("tick")
+            await self._deliver(Tick())
 
     # -- dispatch -------------------------------------------------------------------
 
     async def on_receive(self, message: object) -> PdrtError | None:
-        if isinstance(message, tuple) and message[0] == "http":
-            return self._client_message(HTTP_IDENTITY, message[1])
-        if isinstance(message, tuple):
-            self._client_frame(message[1], message[2])
-        elif isinstance(message, Rendered):
-            self._take(message.identity, message)
-        elif isinstance(message, StepOutputs):
-            self.table.outputs(message)
-        elif isinstance(message, RequestFailed):
-            self.table.failed(message)
-        elif isinstance(message, Withdrawn):
-            self.table.withdrawn(message)
-        elif isinstance(message, Warmup):
-            self.warmups.warm(message.session_id)
-        elif isinstance(message, ClusterView):
-            for worker in self.router.update(message.workers):
-                self._worker_lost(worker)
-            self.table.route_waiting()
-        elif isinstance(message, ProcessLost):
-            worker = self.router.remove(message.process_id, message.incarnation)
-            if worker is not None:
-                self._worker_lost(worker)
-        elif isinstance(message, MetricsView):
-            self.metrics_view.update(message)
-        elif message == "tick":
-            self._expire()
-        else:
-            log.warning("gateway ignored a message", message=type(message).__name__)
+        match message:
+            case FromHttp(message=request):
+                return self._client_message(HTTP_IDENTITY, request)
+            case FromPeer(identity=identity, message=frames):
+                self._client_frame(identity, frames)
+            case Rendered(identity=identity):
+                self._take(identity, message)
+            case StepOutputs():
+                self.table.outputs(message)
+            case RequestFailed():
+                self.table.failed(message)
+            case Withdrawn():
+                self.table.withdrawn(message)
+            case Warmup(session_id=session_id):
+                self.warmups.warm(session_id)
+            case ClusterView(workers=workers):
+                for worker in self.router.update(workers):
+                    self._worker_lost(worker)
+                self.table.route_waiting()
+            case ProcessLost(process_id=process_id, incarnation=incarnation):
+                worker = self.router.remove(process_id, incarnation)
+                if worker is not None:
+                    self._worker_lost(worker)
+            case MetricsView():
+                self.metrics_view.update(message)
+            case Tick():
+                self._expire()
+            case _:
+                log.warning("gateway ignored a message", message=type(message).__name__)
         return None
 
     def _worker_lost(self, worker: WorkerInfo) -> None:
@@ -282,14 +291,7 @@ class Gateway(Actor):
         Whatever goes wrong here, the client hears of it: a fault of the gateway's own is an "internal"
         error for that message, never a silence that leaves the client waiting for its timeout."""
         try:
-            if isinstance(message, Cancel):
-                self._cancel(identity, message.request_id)
-            elif isinstance(message, GetStatus):
-                self._reply(identity, self.status())
-            elif isinstance(message, Warmup):
-                self.warmups.warm(message.session_id)
-            else:
-                self._client_request(identity, message)
+            self._client_request(identity, message)
         except PdrtError as exc:
             return exc
         except Exception as exc:
@@ -314,24 +316,31 @@ class Gateway(Actor):
         rendered.then(rendered.result if self.renders.finish(rendered) else None)
 
     def _client_request(self, identity: bytes, message: object) -> None:
-        if isinstance(message, Generate):
-            self._generate(identity, message)
-        elif isinstance(message, DraftAppend):
-            self.drafts.append(identity, message)
-        elif isinstance(message, DraftReplace):
-            self.drafts.replace(identity, message)
-        elif isinstance(message, DraftOpen):
-            if not self.table.admitting:
+        match message:
+            case Generate():
+                self._generate(identity, message)
+            case Cancel(request_id=request_id):
+                self._cancel(identity, request_id)
+            case GetStatus():
+                self._reply(identity, self.status())
+            case Warmup(session_id=session_id):
+                self.warmups.warm(session_id)
+            case DraftAppend():
+                self.drafts.append(identity, message)
+            case DraftReplace():
+                self.drafts.replace(identity, message)
+            case DraftOpen() if not self.table.admitting:
                 raise UnavailableError("the server is shutting down")
-            self.drafts.open(identity, message, self.warmups.worker_for(message.session_id))
-        elif isinstance(message, DraftSubmit):
-            self._submit(identity, message)
-        elif isinstance(message, DraftAbandon):
-            self.drafts.abandon(identity, message.draft_id)
-        elif isinstance(message, DraftText):
-            self.drafts.set_text(identity, message.draft_id, message.text)
-        elif isinstance(message, Rendered):
-            self._rendered(message)
+            case DraftOpen(session_id=session_id):
+                self.drafts.open(identity, message, self.warmups.worker_for(session_id))
+            case DraftSubmit():
+                self._submit(identity, message)
+            case DraftAbandon(draft_id=draft_id):
+                self.drafts.abandon(identity, draft_id)
+            case DraftText(draft_id=draft_id, text=text):
+                self.drafts.set_text(identity, draft_id, text)
+            case Rendered():
+                self._rendered(message)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:

@@ -68,26 +68,27 @@ class PrefillWorker(EngineWorker):
         self.unadded: set[str] = set()  # admitted while a step ran: their add op has not run yet
 
     async def on_receive(self, message: object) -> None:
-        if isinstance(message, PrefillRequest):
-            self._admit(message)
-        elif isinstance(message, KVAck):
-            if message.request_id in self.held:
-                self.queue_op(message.request_id, lambda rid=message.request_id: self._release(rid))
-        elif isinstance(message, DraftUpdate):
-            self.draft_update(message)
-        elif isinstance(message, DraftSubmitted):
-            self.draft_submitted(message)
-        elif isinstance(message, Withdraw):
-            self._withdraw(message)
-        elif isinstance(message, Abort):
-            self.drop_draft(message.request_id)
-            self.arrived.pop(message.request_id, None)
-            self.unadded.discard(message.request_id)
-            if self.requests.pop(message.request_id, None) is not None:
-                self.reply_to.pop(message.request_id, None)
-                self.queue_op(message.request_id, lambda rid=message.request_id: self.engine.abort(rid))
-        else:
-            log.warning("prefill worker ignored a message", message=type(message).__name__)
+        match message:
+            case PrefillRequest():
+                self._admit(message)
+            case KVAck(request_id=rid) if rid in self.held:
+                self.queue_op(rid, lambda: self._release(rid))
+            case DraftUpdate():
+                self.draft_update(message)
+            case DraftSubmitted():
+                self.draft_submitted(message)
+            case Withdraw():
+                self._withdraw(message)
+            case Abort(request_id=rid):
+                self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        self.drop_draft(rid)
+        self.arrived.pop(rid, None)
+        self.unadded.discard(rid)
+        if self.requests.pop(rid, None) is not None:
+            self.reply_to.pop(rid, None)
+            self.queue_op(rid, lambda: self.engine.abort(rid))
 
     def _admit(self, request: PrefillRequest) -> None:
         rid = request.request_id
