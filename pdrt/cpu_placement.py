@@ -4,7 +4,7 @@ A decode worker under load steps without pause, and every step it waits for
 a core is a token late for each of its streams. Left to the kernel, the
 node's processes spread over every core, and a prefill worker's prompt, the
 gateway's streaming and the clients' reading all land on the decode worker's
-core in turn. With `[decode] own_cores = true` (a disaggregated node on the
+core in turn. With `[experimental] own_cores = true` (a disaggregated node on the
 CPU) each decode worker keeps its share of the cores to itself and the
 prefill workers, the gateway and the controller share the rest: the CPU's
 counterpart of giving decode a device of its own. A decode worker that
@@ -51,7 +51,7 @@ def worker_cores(config: NodeConfig, allowed: list[int]) -> dict[str, list[int]]
 
 def cores_for(config: NodeConfig, name: str, allowed: list[int], borrows: bool = False) -> list[int] | None:
     """The cores of process `name` ("decode-0", "gateway", ...) out of `allowed`, or None: any of them."""
-    if not config.decode.own_cores or config.mode != "disaggregated" or config.engine.device != "cpu":
+    if not config.experimental.own_cores or config.mode != "disaggregated" or config.engine.device != "cpu":
         return None
     shares = worker_cores(config, allowed)
     if shares is None:

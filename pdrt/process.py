@@ -9,12 +9,11 @@ a systemd unit's EnvironmentFile) take the place of the JSON's; a process
 without a cluster key refuses to start. SIGTERM or
 SIGINT stops the process in order: the gateway drains first, a worker closes
 its KV source (removing its shared memory), and every process leaves the
-controller's registry. A worker takes the CPU priority of its group
-(`[prefill] nice`, ...) once its model has loaded, since the prefill
-worker's depends on the model's size: below `[prefill]
-catch_up_below_params` it yields only while it keeps up (pdrt/priority.py).
-On a disaggregated CPU node each decode worker runs on cores of its own and
-every other process on the rest (`[decode] own_cores`, pdrt/cpu_placement.py).
+controller's registry. A worker takes the CPU priority its profile gives
+it once its model has loaded, since it depends on the model's size
+(pdrt/worker_profile.py, pdrt/priority.py). With `[experimental] own_cores`
+each decode worker of a disaggregated CPU node runs on cores of its own and
+every other process on the rest (pdrt/cpu_placement.py).
 """
 
 import asyncio
@@ -48,21 +47,17 @@ def _role(name: str) -> str:
     return role
 
 
-def catches_up(config: NodeConfig, role: str, num_params: int) -> bool:
-    """Whether a worker of `role` with a model of `num_params` parameters yields the CPU only while it keeps up."""
-    return role == "prefill" and num_params < config.prefill.catch_up_below_params
-
-
-def _take_priority(config: NodeConfig, name: str, role: str, worker: "EngineWorker") -> None:
-    nice = getattr(config, role).nice
-    if catches_up(config, role, worker.engine.loaded.num_params):
+def _take_priority(config: NodeConfig, name: str, worker: "EngineWorker") -> None:
+    """The worker's CPU priority, as its profile says (pdrt/worker_profile.py)."""
+    profile = worker.profile
+    if profile.catch_up_wait is not None:
         from pdrt.roles.prefill_worker import PrefillWorker
 
         assert isinstance(worker, PrefillWorker)
-        behind_s = config.prefill.catch_up_wait * config.gateway.ttft_slo_s
-        worker.catch_up = worker.metrics.catch_up = CatchUp(nice, behind_s, name)
+        behind_s = profile.catch_up_wait * config.gateway.ttft_slo_s
+        worker.catch_up = worker.metrics.catch_up = CatchUp(profile.nice, behind_s, name)
     else:
-        take_priority(nice, name)
+        take_priority(profile.nice, name)
 
 
 def _place(config: NodeConfig, name: str, borrows: bool = False) -> None:
@@ -114,7 +109,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
         else:
             worker = _worker(config, name, role, incarnation, ctx, run_id)
             _place(config, name, borrows=worker.ledger is not None and worker.ledger.borrow)
-            _take_priority(config, name, role, worker)
+            _take_priority(config, name, worker)
             await worker.serve(stop)
     finally:
         ctx.destroy(linger=0)

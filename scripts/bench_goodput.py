@@ -3,9 +3,9 @@
 On this machine's cores, with one model and the chat workload of `pdrt bench`:
 
   (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
-      borrowing the prefill worker's thread for the steps it runs while prefill idles, for models of
-      `[decode] borrow_min_params` or more (`--no-borrow`: never), and the prefill worker at nice 10 for
-      models of `[prefill] catch_up_below_params` or more (below it: until a prompt waits too long);
+      borrowing the prefill worker's thread for the steps it runs while prefill idles, and the prefill worker
+      at nice 10, as the worker profile decides for the model (pdrt/worker_profile.py; `--no-borrow`: the
+      decode worker never borrows);
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
   (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
       of the two is kept and named.
@@ -64,9 +64,9 @@ from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
 from pdrt.bench.workloads import LengthLimits
 from pdrt.models.fetch import default_model_dir, is_fetched
-from pdrt.node_config import DecodeGroup
 from pdrt.testing.node import Node, free_port
 from pdrt.testing.tiny_model import build_tiny_model
+from pdrt.worker_profile import SMALL_MODEL_PARAMS
 
 CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
 # Per worker: room for every chat request in flight at the rates measured, so that no system is bound by its
@@ -124,8 +124,9 @@ class PdrtServer:
     def __init__(self, workdir: Path, model: str, mode: str, slo: Slo | None = None, borrow: bool = True,
                  overrides: dict[str, dict] | None = None) -> None:
         self.http_port = free_port()
-        settings: dict[str, dict] = {"colocated": {"threads": os.cpu_count() or 2}} if mode == "colocated" else \
-            {"prefill": {"threads": 1}, "decode": {"threads": 1, "borrow_threads": borrow}}
+        experimental: dict = {"colocated_threads": os.cpu_count() or 2} if mode == "colocated" else \
+            {"prefill_threads": 1, "decode_threads": 1, **({} if borrow else {"borrow_threads": False})}
+        settings: dict[str, dict] = {"experimental": experimental}
         settings["gateway"] = {"http_port": self.http_port}
         if slo is not None:
             settings["gateway"].update(ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s)
@@ -487,7 +488,7 @@ def main() -> None:
                         help="the decode worker never borrows the idle prefill worker's thread (a static split)")
     parser.add_argument("--set", action="append", default=[], metavar="TABLE.KEY=VALUE",
                         help="a node setting of pdrt disaggregated (repeatable), e.g. "
-                             "gateway.local_prefill_max_tokens=0")
+                             "experimental.local_prefill_max_tokens=0")
     parser.add_argument("--out", default="bench-results/goodput", help="folder for JSON and PNG files")
     args = parser.parse_args()
 
@@ -620,7 +621,7 @@ def main() -> None:
           f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
     hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
     split = "static split" if args.no_borrow else \
-        f"decode borrows idle prefill's if >= {DecodeGroup().borrow_min_params / 1e6:g} M params"
+        f"decode borrows idle prefill's if >= {SMALL_MODEL_PARAMS / 1e6:g} M params"
     rows = [(f"pdrt disaggregated (1P+1D, 1 thread each, {split})", "disaggregated"),
             (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
     for label, key in rows:

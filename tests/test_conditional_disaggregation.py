@@ -7,8 +7,7 @@ import pytest
 
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.metrics.exposition import total
-from pdrt.node_config import GatewayConfig
-from pdrt.roles.local_prefill import may_prefill_on_decode
+from pdrt.roles.local_prefill import LocalPrefillRules
 from pdrt.testing.node import Node, free_port
 from pdrt.wire import Load
 from tests.system_client import RawClient, scrape, used_blocks, wait_for
@@ -36,10 +35,10 @@ def prefilled_on_decode(node: Node) -> set[str]:
 def node(model_dirs, tmp_path_factory):
     # Any queue at the prefill worker is long enough: every short prompt that finds the decode worker free of
     # another local prefill is prefilled there.
-    gateway = {"local_prefill_max_tokens": MAX_LOCAL, "local_prefill_queue_tokens": 1}
+    experimental = {"local_prefill_max_tokens": MAX_LOCAL, "local_prefill_queue_tokens": 1}
     metrics_port = free_port()
     with Node(tmp_path_factory.mktemp("conditional"), str(model_dirs["llama"]),
-              extra={"gateway": gateway, "controller": {"metrics_port": metrics_port}}) as running:
+              extra={"experimental": experimental, "controller": {"metrics_port": metrics_port}}) as running:
         running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield running
 
@@ -67,8 +66,7 @@ def test_short_prompts_behind_a_busy_prefill_worker_are_prefilled_on_the_decode_
     wait_for(lambda: counted() == len(local), timeout_s=10, interval_s=0.2)
 
 
-RULES = GatewayConfig(local_prefill_max_tokens=512, local_prefill_queue_tokens=512, local_prefill_max_slowdown=1.25,
-                      tpot_slo_s=0.2)
+RULES = LocalPrefillRules(max_tokens=512, queue_tokens=512, max_slowdown=1.25, tpot_slo_s=0.2)
 
 
 def decoding(step_s: float, decode_step_s: float) -> Load:
@@ -76,21 +74,21 @@ def decoding(step_s: float, decode_step_s: float) -> Load:
 
 
 def test_a_short_prompt_behind_a_backlog_goes_to_a_decode_worker_with_room_in_its_steps():
-    assert may_prefill_on_decode(RULES, 300, 600, decoding(0.11, 0.1))
-    assert may_prefill_on_decode(RULES, 300, 600, Load(num_running=0))  # nothing decoding there to slow
+    assert RULES.may_prefill_on_decode(300, 600, decoding(0.11, 0.1))
+    assert RULES.may_prefill_on_decode(300, 600, Load(num_running=0))  # nothing decoding there to slow
 
 
 def test_a_long_prompt_or_a_short_backlog_stays_with_the_prefill_worker():
-    assert not may_prefill_on_decode(RULES, 513, 600, decoding(0.1, 0.1))
-    assert not may_prefill_on_decode(RULES, 300, 511, decoding(0.1, 0.1))
-    assert not may_prefill_on_decode(RULES, 0, 600, decoding(0.1, 0.1))
+    assert not RULES.may_prefill_on_decode(513, 600, decoding(0.1, 0.1))
+    assert not RULES.may_prefill_on_decode(300, 511, decoding(0.1, 0.1))
+    assert not RULES.may_prefill_on_decode(0, 600, decoding(0.1, 0.1))
 
 
 def test_a_decode_worker_slowed_past_the_bound_or_near_the_tpot_slo_takes_no_prefill():
-    assert not may_prefill_on_decode(RULES, 300, 600, decoding(0.13, 0.1))  # 1.3x its plain steps
-    assert not may_prefill_on_decode(RULES, 300, 600, decoding(0.2, 0.19))  # at the TPOT SLO
-    assert not may_prefill_on_decode(RULES, 300, 600, decoding(0.5, 0.0))  # every recent step prefilled
+    assert not RULES.may_prefill_on_decode(300, 600, decoding(0.13, 0.1))  # 1.3x its plain steps
+    assert not RULES.may_prefill_on_decode(300, 600, decoding(0.2, 0.19))  # at the TPOT SLO
+    assert not RULES.may_prefill_on_decode(300, 600, decoding(0.5, 0.0))  # every recent step prefilled
 
 
 def test_local_prefills_are_off_with_a_limit_of_zero():
-    assert not may_prefill_on_decode(GatewayConfig(local_prefill_max_tokens=0), 10, 10_000, Load())
+    assert not LocalPrefillRules(max_tokens=0).may_prefill_on_decode(10, 10_000, Load())

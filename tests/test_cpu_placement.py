@@ -15,38 +15,41 @@ from pdrt.node_config import NodeConfig
 from tests.system_client import allowed_cpus
 
 
-def node(**settings) -> NodeConfig:
-    """A node that asks for its decode workers to have cores of their own, with `settings` on top."""
-    settings["decode"] = {"own_cores": True, **settings.get("decode", {})}
-    return NodeConfig.from_json(msgspec.json.encode({"model": "m", **settings}))
+def node(own_cores: bool = True, threads: tuple[int, int] | None = None, **settings) -> NodeConfig:
+    """A node that asks for its decode workers to have cores of their own (unless told not to), the prefill and
+    decode workers' `threads`, and `settings` on top."""
+    experimental = {"own_cores": own_cores}
+    if threads is not None:
+        experimental |= {"prefill_threads": threads[0], "decode_threads": threads[1]}
+    return NodeConfig.from_json(msgspec.json.encode({"model": "m", "experimental": experimental, **settings}))
 
 
 def test_on_two_cores_the_decode_worker_gets_the_second_and_everything_else_the_first():
-    config = node(prefill={"threads": 1}, decode={"threads": 1})
+    config = node(threads=(1, 1))
     assert worker_cores(config, [0, 1]) == {"prefill-0": [0], "decode-0": [1]}
     assert cores_for(config, "decode-0", [0, 1]) == [1]
     assert all(cores_for(config, name, [0, 1]) == [0] for name in ("prefill-0", "gateway", "controller"))
 
 
 def test_decode_workers_get_their_threads_worth_of_the_cores_the_node_was_started_on_in_start_order():
-    config = node(node="b", prefill={"count": 2, "threads": 2}, decode={"count": 2, "threads": 2})
+    config = node(threads=(2, 2), node="b", prefill={"count": 2}, decode={"count": 2})
     allowed = [2, 3, 5, 7, 8, 9, 11, 12, 13, 14]
     assert cores_for(config, "decode-b-0", allowed) == [8, 9] and cores_for(config, "decode-b-1", allowed) == [11, 12]
     assert cores_for(config, "prefill-b-1", allowed) == cores_for(config, "gateway", allowed) == [2, 3, 5, 7, 13, 14]
 
 
 def test_a_decode_worker_that_borrows_prefill_threads_may_also_run_on_the_prefill_workers_cores():
-    config = node(prefill={"count": 2, "threads": 1}, decode={"threads": 1})
+    config = node(threads=(1, 1), prefill={"count": 2})
     assert cores_for(config, "decode-0", [0, 1, 2, 3], borrows=True) == [2, 0, 1]
 
 
 @pytest.mark.parametrize("config, allowed", [
     (NodeConfig(model="m"), [0, 1, 2, 3]),  # by default
-    (node(prefill={"threads": 1}, decode={"threads": 1}), [0]),  # the workers' threads outnumber the cores
-    (node(prefill={"count": 0}, decode={"threads": 2}), [0, 1]),  # no core left for the rest
-    (node(prefill={"threads": 1}, decode={"threads": 1, "own_cores": False}), [0, 1]),
+    (node(threads=(1, 1)), [0]),  # the workers' threads outnumber the cores
+    (node(threads=(1, 2), prefill={"count": 0}), [0, 1]),  # no core left for the rest
+    (node(own_cores=False, threads=(1, 1)), [0, 1]),
     (node(mode="colocated"), [0, 1, 2, 3]),
-    (node(engine={"device": "cuda"}, decode={"threads": 1}), [0, 1, 2, 3]),
+    (node(threads=(1, 1), engine={"device": "cuda"}), [0, 1, 2, 3]),
     (node(decode={"count": 0}), [0, 1, 2, 3]),
 ])
 def test_a_node_is_not_pinned_without_cores_to_spare_when_turned_off_colocated_or_on_a_gpu(config, allowed):

@@ -181,46 +181,6 @@ def test_first_token_work_foretells_the_order_and_work_of_prompts_one_by_one(mak
     assert {rid: came[rid] for rid in foretold} == foretold
 
 
-@pytest.mark.parametrize(("deadline", "expected"), [
-    (3000, {"long": 1100, "short": 1800, "middle": 2800}),  # all on time in arrival order: they keep it
-    (1900, {"short": 700, "middle": 1700, "long": 2800}),  # the middle one would be late: the longest goes last
-])
-def test_prompts_by_deadline_leave_the_fewest_late_first_tokens(make_engine, prompts, deadline, expected):
-    engine = make_engine(prompt_batch_tokens=48)
-    engine.scheduler.deadline_work = deadline
-    for name, prompt in (("long", prompts[-1]), ("short", prompts[-3]), ("middle", prompts[-2])):
-        engine.add_prefill(name, prompt, GREEDY)  # 1100, 700 and 1000 tokens
-    assert engine.scheduler.first_token_work() == expected
-    came, computed = {}, 0
-    while len(came) < 3:
-        outputs = engine.step()
-        computed += sum(n for _, n in engine.last_batch.prefills)
-        came.update({out.request_id: computed for out in outputs})
-    assert came == expected
-
-
-@pytest.mark.parametrize(("deadline", "expected"), [
-    (300, {"short": 16, "late": 716}),  # the late one waited 588 tokens, under 3 deadlines: the short one first
-    (150, {"late": 700, "short": 716}),  # 588 is past 3 deadlines: the late one is overdue and goes first
-])
-def test_prompts_by_deadline_put_off_a_late_prompt_until_it_is_overdue(make_engine, prompts, deadline, expected):
-    engine = make_engine(prompt_batch_tokens=48)
-    engine.scheduler.deadline_work = deadline
-    engine.add_prefill("long", prompts[-1], GREEDY)  # 1100 tokens
-    engine.step()  # its first chunk of 512
-    engine.add_prefill("late", prompts[-3], GREEDY)  # 700 tokens, waiting from 512 on
-    engine.step()
-    engine.step()  # the long one's last 588 tokens: the late one is past its deadline before it starts
-    engine.add_prefill("short", prompts[4], GREEDY)  # 16 tokens, waiting from 1100 on
-    assert engine.scheduler.first_token_work() == expected
-    came, computed = {}, 0
-    while len(came) < 2:
-        outputs = engine.step()
-        computed += sum(n for _, n in engine.last_batch.prefills)
-        came.update({out.request_id: computed for out in outputs if out.request_id != "long"})
-    assert came == expected
-
-
 def test_prompts_one_by_one_count_only_the_work_their_cached_prefix_leaves(make_engine, references, prompts):
     engine = make_engine(prompt_batch_tokens=48)
     _first_tokens(engine, [prompts[-2]])  # 1000 tokens: once released, their full blocks stay in the prefix cache

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def node(model_dirs, tmp_path_factory):
     # The tiny model is below the size at which decode borrows by default; this node borrows to test it.
     extra = {"controller": {"metrics_port": free_port()}, "gateway": {"http_port": 0},
-             "decode": {"borrow_min_params": 0}}
+             "experimental": {"borrow_threads": True}}
     with Node(tmp_path_factory.mktemp("metrics-node"), str(model_dirs["llama"]), extra=extra) as running:
         running.metrics_url = f"http://127.0.0.1:{extra['controller']['metrics_port']}/metrics"
         yield running

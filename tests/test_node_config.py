@@ -6,7 +6,6 @@ import pytest
 
 from pdrt.errors import ConfigError
 from pdrt.node_config import NodeConfig, load_node_config, with_secrets
-from pdrt.process import catches_up
 
 DECODE_ONLY = """
 model = "/m"
@@ -81,42 +80,24 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
     assert with_secrets(config, {"PDRT_WARMUP_KEY": ""}) is config
 
 
-@pytest.mark.parametrize("toml", ["[prefill]\nnice = 20", "[decode]\nnice = -21",
-                                  "[gateway]\nlocal_prefill_max_slowdown = 0.9", "[prefill]\ncatch_up_wait = 0",
-                                  "[prefill]\ncatch_up_wait = 1.5", "[prefill]\nprompt_batch_tokens = -1",
-                                  '[prefill]\nprompt_order = "fifo"'])
-def test_out_of_range_priorities_slowdowns_and_orders_are_refused(tmp_path: Path, toml: str):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize(("toml", "where"), [
+    ("[gateway]\nport = 0", "gateway.port"), ("[gateway]\nttft_slo_s = 0", "gateway.ttft_slo_s"),
+    ("[engine]\nkv_cache_bytes = 0", "engine.kv_cache_bytes"), ('[engine]\ndevice = "gpu"', "engine.device"),
+    ('[engine]\ndtype = "int4"', "engine.dtype"), ("[decode]\ncount = -1", "decode.count"),
+    ("[experimental]\nprefill_nice = 20", "experimental.prefill_nice"),
+    ("[experimental]\nlocal_prefill_max_slowdown = 0.9", "experimental.local_prefill_max_slowdown"),
+    ("[experimental]\nprompt_batch_tokens = -1", "experimental.prompt_batch_tokens"),
+    ("[prefill]\nnice = 10", "nice"),  # the old per-role settings are gone, not ignored
+])
+def test_out_of_range_or_unknown_settings_are_refused_naming_where(tmp_path: Path, toml: str, where: str):
+    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
         load(tmp_path, 'model = "/m"\n' + toml)
 
 
-def test_the_prefill_workers_yield_the_cpu_by_default_and_the_others_do_not(tmp_path: Path):
-    config = load(tmp_path, 'model = "/m"\n[prefill]\ncount = 2')
-    assert (config.prefill.nice, config.decode.nice, config.colocated.nice) == (10, 0, 0)
-
-
-def test_the_prefill_worker_of_a_model_below_catch_up_below_params_alone_catches_up():
-    config = NodeConfig(model="/m")
-    threshold = config.prefill.catch_up_below_params
-    assert catches_up(config, "prefill", threshold - 1) and not catches_up(config, "prefill", threshold)
-    assert not catches_up(config, "decode", 1) and not catches_up(config, "colocated", 1)
-
-
-def test_prefill_workers_on_the_cpu_alone_take_prompts_one_by_one_unless_told_otherwise(tmp_path: Path):
-    config = NodeConfig(model="/m")
-    assert config.engine_config("prefill").prompt_batch_tokens == 64
-    assert config.engine_config("decode").prompt_batch_tokens is None
-    assert config.engine_config("colocated").prompt_batch_tokens is None
-    on_gpu = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"')
-    assert on_gpu.engine_config("prefill").prompt_batch_tokens is None
-    told = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"\n[prefill]\nprompt_batch_tokens = 256')
-    assert told.engine_config("prefill").prompt_batch_tokens == 256
-
-
-def test_the_deadline_order_is_refused_where_prompts_batch_side_by_side(tmp_path: Path):
-    deadline = '\n[prefill]\nprompt_order = "deadline"'
-    assert load(tmp_path, 'model = "/m"' + deadline).prefill.prompt_order == "deadline"
-    with pytest.raises(ConfigError, match="prompt_batch_tokens"):
-        load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"' + deadline)
-    told = load(tmp_path, 'model = "/m"\n[engine]\ndevice = "cuda"' + deadline + "\nprompt_batch_tokens = 256")
-    assert told.engine_config("prefill").prompt_batch_tokens == 256
+def test_the_experimental_table_holds_tuning_and_the_public_tables_do_not(tmp_path: Path):
+    config = load(tmp_path, 'model = "/m"\n[experimental]\nheartbeat_s = 0.5\nlease_s = 4.0\ndecode_threads = 3')
+    assert (config.experimental.heartbeat_s, config.experimental.lease_s, config.threads_for("decode")) == (0.5, 4.0, 3)
+    with pytest.raises(ConfigError, match="lease_s"):
+        load(tmp_path, 'model = "/m"\n[experimental]\nheartbeat_s = 2.0')
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        load(tmp_path, 'model = "/m"\n[controller]\nheartbeat_s = 0.5')

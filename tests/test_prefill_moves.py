@@ -8,7 +8,7 @@ import pytest
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.metrics.exposition import total
 from pdrt.roles.gateway_request import GatewayRequest
-from pdrt.roles.local_prefill import first_token_seconds, prompt_to_move, stall_fits
+from pdrt.roles.local_prefill import LocalPrefillRules, first_token_seconds, stall_fits
 from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.testing.node import Node, free_port
 from tests.system_client import RawClient, node_status, scrape, used_blocks, wait_for
@@ -24,11 +24,12 @@ TTFT_SLO_S = 1.0
 def node(model_dirs, tmp_path_factory):
     # The decode worker's streams have all the TPOT room they could want, and no prompt goes to the decode
     # worker on arrival: prompts reach it only by moving. Chunks of 32 tokens slow the prefill worker down.
-    gateway = {"ttft_slo_s": TTFT_SLO_S, "tpot_slo_s": 60.0, "local_prefill_max_slowdown": 1000.0,
-               "local_prefill_queue_tokens": 1 << 30}
+    gateway = {"ttft_slo_s": TTFT_SLO_S, "tpot_slo_s": 60.0}
+    experimental = {"local_prefill_max_slowdown": 1000.0, "local_prefill_queue_tokens": 1 << 30}
     metrics_port = free_port()
     with Node(tmp_path_factory.mktemp("moves"), str(model_dirs["llama"]), engine={"max_prefill_chunk_size": 32},
-              extra={"gateway": gateway, "controller": {"metrics_port": metrics_port}}) as running:
+              extra={"gateway": gateway, "experimental": experimental, "controller": {"metrics_port": metrics_port}}) \
+            as running:
         running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield running
 
@@ -69,19 +70,23 @@ def request(num_prompt_tokens: int, admitted_at: float, sent_at: float) -> Gatew
 
 def test_the_move_that_leaves_the_fewest_late_is_chosen():
     now = 100.0
+
+    def move(ttft_slo_s: float, queue: list, seconds_elsewhere) -> GatewayRequest | None:
+        return LocalPrefillRules(ttft_slo_s=ttft_slo_s).prompt_to_move(queue, now, seconds_elsewhere)
+
     first, second, third = request(400, 99.0, 99.0), request(400, 99.5, 99.5), request(400, 99.9, 99.9)
     queue = [(third, 3.0), (first, 1.0), (second, 2.0)]  # seconds to each first token, as the worker serves them
     # First tokens 2.0, 2.5 and 3.1 s after arrival; with a TTFT SLO of 2.2 s, two are late. Moving the second
     # (0.5 s on the decode worker) leaves none: the third's first token comes 1 s sooner, 2.1 s after arrival.
-    assert prompt_to_move(queue, 2.2, now, lambda r: 0.5) is second
-    assert prompt_to_move(queue, 2.2, now, lambda r: None if r is second else 0.5) is first  # the third then 2.1
-    assert prompt_to_move(queue, 2.2, now, lambda r: 0.5 if r is third else None) is third  # the second stays late
+    assert move(2.2, queue, lambda r: 0.5) is second
+    assert move(2.2, queue, lambda r: None if r is second else 0.5) is first  # the third then 2.1
+    assert move(2.2, queue, lambda r: 0.5 if r is third else None) is third  # the second stays late
     early, later = request(400, 100.0, 100.0), request(400, 100.0, 100.0)
     # Either move leaves none late: the later prompt's, the less likely to have started when the worker is asked.
-    assert prompt_to_move([(early, 1.0), (later, 2.0)], 1.5, now, lambda r: 1.0) is later
-    assert prompt_to_move(queue, 2.2, now, lambda r: 5.0) is second  # late itself, but the third then not
-    assert prompt_to_move(queue, 2.6, now, lambda r: 5.0) is None  # any move leaves one late, as none does
-    assert prompt_to_move(queue, 4.0, now, lambda r: 0.5) is None  # none late
+    assert move(1.5, [(early, 1.0), (later, 2.0)], lambda r: 1.0) is later
+    assert move(2.2, queue, lambda r: 5.0) is second  # late itself, but the third then not
+    assert move(2.6, queue, lambda r: 5.0) is None  # any move leaves one late, as none does
+    assert move(4.0, queue, lambda r: 0.5) is None  # none late
 
 
 def test_the_workers_account_loses_the_work_of_prompts_gone_since():

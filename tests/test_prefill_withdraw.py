@@ -1,8 +1,6 @@
 """A prefill worker gives a prompt back (`Withdraw`) only while nothing of it has begun: still waiting in its
-scheduler, or admitted while a step ran and not yet added; its load accounts for every prompt it holds; and taking
-prompts by deadline, it gives its scheduler the TTFT SLO at the prefill rate it measured."""
+scheduler, or admitted while a step ran and not yet added; and its load accounts for every prompt it holds."""
 
-import time
 
 import msgspec
 import pytest
@@ -82,25 +80,3 @@ def test_a_prompt_is_given_back_until_it_begins_and_the_load_accounts_for_each(w
     assert set(worker.engine.sequences) == {"a"} and set(worker.requests) == {"a"}
     assert worker._measure_load().first_token_work == {"a": 200 - CHUNK}
 
-
-def step_one_prompt(worker: PrefillWorker, gateway_inbox, prompt: list[int]) -> None:
-    """Admit a prompt and run a step of it as the engine loop does, its time in the worker's metrics."""
-    worker._admit(PrefillRequest("a", prompt, GREEDY, gateway_inbox[1], "tcp://127.0.0.1:1"))
-    worker._apply_ops()
-    started = time.perf_counter()
-    worker.engine.step()
-    worker.metrics.stepped(started)
-
-
-def test_prompts_by_deadline_take_the_ttft_slo_at_the_measured_prefill_rate(make_worker, gateway_inbox, prompts):
-    worker = make_worker(prompt_order="deadline")
-    assert worker._measure_load().prefill_tokens_per_s == 0.0 and worker.engine.scheduler.deadline_work is None
-    step_one_prompt(worker, gateway_inbox, prompts[-1][:200])
-    load = worker._measure_load()
-    assert load.prefill_tokens_per_s > 0.0
-    assert worker.engine.scheduler.deadline_work == round(worker.config.gateway.ttft_slo_s * load.prefill_tokens_per_s)
-
-
-def test_prompts_by_response_ratio_set_no_deadline(worker, gateway_inbox, prompts):
-    step_one_prompt(worker, gateway_inbox, prompts[-1][:200])
-    assert worker._measure_load().prefill_tokens_per_s > 0.0 and worker.engine.scheduler.deadline_work is None

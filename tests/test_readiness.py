@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdrt.actors.cluster_key import ClusterKey
-from pdrt.node_config import ControllerConfig, GatewayConfig, NodeConfig, PrefillGroup, WorkerGroup
+from pdrt.node_config import ControllerConfig, GatewayConfig, NodeConfig, WorkerGroup
 from pdrt.supervisor import Supervisor, new_run_id
 from pdrt.supervisor.readiness import check_controller
 from pdrt.testing.node import free_port
@@ -114,7 +114,7 @@ def test_a_node_of_decode_workers_is_ready_once_the_remote_controller_lists_them
     port = int(address.rsplit(":", 1)[1])
     config = NodeConfig(model="unused", node="b", cluster_key=KEY.text,
                         controller=ControllerConfig(port=port, enabled=False),
-                        gateway=GatewayConfig(enabled=False), prefill=PrefillGroup(count=0),
+                        gateway=GatewayConfig(enabled=False), prefill=WorkerGroup(count=0),
                         decode=WorkerGroup(count=2))
     supervisor = Supervisor(config, new_run_id(), command_for=lambda name: stand_in(name, address),
                             ready_timeout_s=30.0)

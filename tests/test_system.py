@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def node(model_dirs, tmp_path_factory):
-    with Node(tmp_path_factory.mktemp("node"), str(model_dirs["llama"]), extra={"decode": {"own_cores": True}}) \
+    with Node(tmp_path_factory.mktemp("node"), str(model_dirs["llama"]), extra={"experimental": {"own_cores": True}}) \
             as running:
         yield running
 

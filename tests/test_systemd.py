@@ -15,21 +15,21 @@ import pytest
 from pdrt.cli import main
 from pdrt.deploy import UnitOptions, render_units, resolved_config
 from pdrt.errors import ConfigError
-from pdrt.node_config import DecodeGroup, NodeConfig, PrefillGroup, WorkerGroup, load_node_config
+from pdrt.node_config import Experimental, NodeConfig, WorkerGroup, load_node_config
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 NODE_A = """
 model = "/srv/models/SmolLM2"
 host = "10.0.0.1"
 transfer = "auto"
-[gateway]
-drain_timeout_s = 25
 [warmup]
 key = "do not write me down"
 [prefill]
 count = 2
 [decode]
 count = 0
+[experimental]
+drain_timeout_s = 25
 """
 NODE_B = """
 model = "/srv/models/SmolLM2"
@@ -45,7 +45,8 @@ enabled = false
 count = 0
 [decode]
 count = 2
-threads = 4
+[experimental]
+decode_threads = 4
 """
 
 
@@ -160,7 +161,7 @@ def test_hardening_leaves_dev_shm_and_gpus_reachable(tmp_path: Path):
 
 
 def test_gpus_threads_pinning_and_memory_limits_go_to_workers_alone(tmp_path: Path):
-    config = config_from(tmp_path, NODE_B.replace("threads = 4", "threads = 4\n[engine]\ndevice = \"cuda\""))
+    config = config_from(tmp_path, NODE_B.replace("[experimental]", "[engine]\ndevice = \"cuda\"\n[experimental]"))
     units = render_units(config, options(tmp_path, gpus=["2", "3"], pin_cpus=True, num_cpus=8, memory_max="48G"))
 
     assert list(units) == ["pdrt-decode-b-0.service", "pdrt-decode-b-1.service", "pdrt.target"]
@@ -173,11 +174,12 @@ def test_gpus_threads_pinning_and_memory_limits_go_to_workers_alone(tmp_path: Pa
 
 
 def test_a_decode_worker_that_borrows_threads_is_pinned_to_the_prefill_workers_cpus_too(tmp_path: Path):
-    config = NodeConfig(model="/m", prefill=PrefillGroup(count=2, threads=2), decode=DecodeGroup(count=1, threads=3))
+    config = NodeConfig(model="/m", prefill=WorkerGroup(count=2), decode=WorkerGroup(count=1),
+                        experimental=Experimental(prefill_threads=2, decode_threads=3))
     units = render_units(config, options(tmp_path, pin_cpus=True, num_cpus=8))
     assert [value(units[f"pdrt-{name}.service"], "CPUAffinity") for name in ("prefill-0", "prefill-1", "decode-0")] \
         == ["0-1", "2-3", "4-6 0-1 2-3"]
-    config.decode.borrow_threads = False
+    config.experimental.borrow_threads = False
     units = render_units(config, options(tmp_path, pin_cpus=True, num_cpus=8))
     assert value(units["pdrt-decode-0.service"], "CPUAffinity") == "4-6"
     # A prefill worker may take back the niceness it yields (pdrt/priority.py, CatchUp); no other needs to.
@@ -238,8 +240,8 @@ def test_the_config_json_holds_no_secret_and_the_thread_counts_the_units_use(tmp
     assert config.warmup.key
     resolved = NodeConfig.from_json(resolved_config(config).to_json())
     assert resolved.warmup.key == "" and b"do not write me down" not in resolved_config(config).to_json()
-    assert resolved.prefill.threads == config.threads_for("prefill")
-    assert (resolved.host, resolved.transfer, resolved.gateway.drain_timeout_s) == ("10.0.0.1", "auto", 25)
+    assert resolved.experimental.prefill_threads == config.threads_for("prefill")
+    assert (resolved.host, resolved.transfer, resolved.experimental.drain_timeout_s) == ("10.0.0.1", "auto", 25)
 
 
 # -- the command and the cleanup it installs ------------------------------------------------------------

@@ -2,9 +2,7 @@
 
 import pytest
 
-from pdrt.node_config import NodeConfig
 from pdrt.roles import thread_ledger
-from pdrt.roles.engine_worker import borrows
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.supervisor.leftovers import process_prefix, remove_segments
 
@@ -61,15 +59,3 @@ def test_close_removes_the_workers_segment(ledger, tmp_path):
     prefill.close()
     assert not prefill.path.exists()
     assert ledger("decode-0").threads_for_step() == 1
-
-
-def test_a_decode_worker_borrows_only_for_a_model_of_at_least_borrow_min_params(make_engine):
-    engine = make_engine()
-    num_params = engine.loaded.num_params
-    assert num_params == sum(p.numel() for p in engine.loaded.model.parameters()) > 0  # tiny: nothing packed
-    config = NodeConfig()
-    assert config.decode.borrow_min_params > num_params and not borrows(config, engine)
-    config.decode.borrow_min_params = num_params
-    assert borrows(config, engine)
-    config.decode.borrow_threads = False
-    assert not borrows(config, engine)

@@ -35,8 +35,8 @@ TEXT = inspect.getsource(random)
 def node(model_dirs, tmp_path_factory):
     warmup_port = free_port()
     with Node(tmp_path_factory.mktemp("typeahead"), str(model_dirs["llama"]),
-              engine={"min_draft_chunk": 16, "draft_ttl_s": 3.0},
-              extra={"warmup": {"key": KEY, "port": warmup_port, "ttl_s": 2.0}}) as running:
+              extra={"warmup": {"key": KEY, "port": warmup_port},
+                     "experimental": {"min_draft_chunk": 16, "draft_ttl_s": 3.0, "warmup_ttl_s": 2.0}}) as running:
         running.warmup_port = warmup_port
         yield running
 

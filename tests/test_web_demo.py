@@ -42,8 +42,9 @@ def browser_paths() -> tuple[str, str] | None:
 @pytest.fixture(scope="module")
 def node(model_dirs, tmp_path_factory):
     http_port = free_port()
-    with Node(tmp_path_factory.mktemp("web-demo"), str(model_dirs["llama"]), engine={"min_draft_chunk": 16},
-              extra={"gateway": {"http_port": http_port, "api_key": API_KEY}}) as running, \
+    with Node(tmp_path_factory.mktemp("web-demo"), str(model_dirs["llama"]),
+              extra={"gateway": {"http_port": http_port, "api_key": API_KEY},
+                     "experimental": {"min_draft_chunk": 16}}) as running, \
             Client(running.address) as client:
         client.wait_ready(expected_workers=2, timeout_s=60)
         running.http_url = f"http://127.0.0.1:{http_port}"

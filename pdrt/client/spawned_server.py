@@ -103,8 +103,9 @@ class SpawnedServer:
         try:
             while not ready.wait(0.1):
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise UnavailableError(f"pdrt up {' '.join(self.up_args)} did not become ready within "
-                                           f"{self.ready_timeout_s:g} s; its log ({self.log_path}):\n"
+                    why = f"exited with status {self.process.returncode}" if self.process.returncode is not None \
+                        else f"was not ready within {self.ready_timeout_s:g} s"
+                    raise UnavailableError(f"pdrt up {' '.join(self.up_args)} {why}; its log ({self.log_path}):\n"
                                            f"{self.log_tail()}")
         except BaseException:  # Ctrl-C included: never leave the server behind
             self.stop(keep_log=True)

@@ -67,8 +67,8 @@ class Controller(Actor):
     """An actor: frames from its socket and its own ticks arrive as messages, handled one at a time."""
 
     def __init__(self, config: NodeConfig, ctx: zmq.asyncio.Context) -> None:
-        self.heartbeat_s = config.controller.heartbeat_s
-        self.registry = Registry(config.controller.lease_s)
+        self.heartbeat_s = config.experimental.heartbeat_s
+        self.registry = Registry(config.experimental.lease_s)
         self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True, key=config.key))
         self.metrics = MetricsAggregator(self.registry)
         self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)

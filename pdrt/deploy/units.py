@@ -101,7 +101,7 @@ def resolved_config(config: NodeConfig) -> NodeConfig:
     raw = msgspec.to_builtins(config)
     raw["model"] = os.path.abspath(config.model)
     for role in config.worker_counts():
-        raw.setdefault(role, {})["threads"] = config.threads_for(role)
+        raw.setdefault("experimental", {})[f"{role}_threads"] = config.threads_for(role)
     for name in SECRET_ENVIRONMENT:
         if name in ENVIRONMENT:
             *tables, key = ENVIRONMENT[name]
@@ -123,19 +123,19 @@ def secrets_in(config: NodeConfig) -> list[str]:
 
 
 def cpu_sets(config: NodeConfig, opts: UnitOptions) -> dict[str, str]:
-    """Worker -> its CPUs, as `[decode] own_cores` places them (pdrt/cpu_placement.py): consecutive ones in
+    """Worker -> its CPUs, as `[experimental] own_cores` places them (pdrt/cpu_placement.py): consecutive ones in
     start order, as many as its torch threads.
 
-    A decode worker that borrows the threads of idle prefill workers (`[decode] borrow_threads`, CPU
-    engines) may also run on their CPUs: its set lists theirs after its own.
+    A decode worker that may borrow the threads of idle prefill workers (pdrt/worker_profile.py, CPU engines)
+    may also run on their CPUs: its set lists theirs after its own.
     """
     shares = worker_cores(config, list(range(opts.num_cpus)))
     if shares is None:
         needed = sum(config.threads_for(role_of(name)) for name in worker_names(config))
         raise ConfigError(f"pinning needs {needed} CPUs; this host has {opts.num_cpus} "
-                          "(lower [prefill]/[decode] threads or drop --pin-cpus)")
+                          "(lower [experimental] prefill_threads/decode_threads or drop --pin-cpus)")
     sets = {name: f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]) for name, cpus in shares.items()}
-    if config.decode.borrow_threads and config.engine.device == "cpu":
+    if config.experimental.borrow_threads is not False and config.engine.device == "cpu":
         lent = [sets[name] for name in sets if role_of(name) == "prefill"]
         for name in [name for name in sets if role_of(name) == "decode"]:
             sets[name] = " ".join([sets[name], *lent])
@@ -179,9 +179,9 @@ def render_service(config: NodeConfig, opts: UnitOptions, process: str) -> str:
             limits.append(f"MemoryMax={opts.memory_max}")
         if opts.pin_cpus:
             limits.append(f"CPUAffinity={cpu_sets(config, opts)[process]}")
-        if role == "prefill":  # it may return from [prefill] nice to the niceness it started with (CatchUp)
+        if role == "prefill":  # it may return from its profile's niceness to the one it started with (CatchUp)
             limits.append("LimitNICE=+0")
-    stop_s = opts.stop_timeout_s + (config.gateway.drain_timeout_s if process == "gateway" else 0.0)
+    stop_s = opts.stop_timeout_s + (config.experimental.drain_timeout_s if process == "gateway" else 0.0)
     restart = ["Restart=on-failure", f"RestartSec={_seconds(opts.restart_s)}", "RestartPreventExitStatus=2"]
     if opts.systemd_version >= RESTART_STEPS_SINCE:
         restart += ["RestartSteps=5", f"RestartMaxDelaySec={_seconds(opts.max_restart_s)}"]

@@ -1,17 +1,14 @@
 """Chooses the work of each engine step and applies its results."""
 
-import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdrt.engine.block_manager import BlockManager
+from pdrt.engine.prompt_order import ArrivalOrder, PromptOrder, ResponseRatioOrder
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 MAX_FORETOLD = 64  # waiting prompts in `Scheduler.first_token_work`
-# Prompts by deadline: one that has waited this many deadlines goes first, so a late prompt is not put off for as
-# long as prompts that can still be on time keep coming.
-OVERDUE_DEADLINES = 3
 
 
 @dataclass(slots=True)
@@ -60,24 +57,21 @@ class Scheduler:
     while the step stays within that many tokens. Where a step's time grows
     with its tokens (a CPU), every token of a later prompt in the step delays
     the first one's first token; batched side by side, prompts that came
-    together all got their first tokens at the end of them all. The next
-    prompt is then the one of highest response ratio, (wait + work) / work,
-    both counted in tokens computed (Brinch Hansen's HRRN): among prompts
-    that waited alike the shortest goes first, and a long one's ratio keeps
-    growing until it does. With `deadline_work` set (the TTFT SLO in tokens
-    computed, which the worker keeps up to date), prompts go in the order
-    that leaves the fewest past it (Moore and Hodgson's: by arrival, each
-    prompt that would be late putting the longest so far behind the rest),
-    so a burst's late first tokens fall on its longest prompts; a prompt
-    that has waited OVERDUE_DEADLINES goes first.
+    together all got their first tokens at the end of them all. Which prompt
+    goes next is the `prompt_order` policy's choice (pdrt/engine/prompt_order.py):
+    by default the highest response ratio when prompts go one by one, arrival
+    order when they go side by side.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_chunk_size: int, draft_limits: DraftLimits | None = None,
-                 prompt_batch_tokens: int | None = None) -> None:
+                 prompt_batch_tokens: int | None = None, prompt_order: PromptOrder | None = None) -> None:
         self.block_manager = block_manager
         self.draft_limits = draft_limits or DraftLimits()
         self.prompt_batch_tokens = prompt_batch_tokens
+        if prompt_order is None:
+            prompt_order = ArrivalOrder() if prompt_batch_tokens is None else ResponseRatioOrder()
+        self.prompt_order = prompt_order
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk_size = max_prefill_chunk_size
@@ -85,8 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
-        self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in (prompts one by one)
-        self.deadline_work: int | None = None  # a prompt's first token is late this many tokens after it came
+        self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -147,65 +140,30 @@ class Scheduler:
         cached = 0 if seq.block_table else self.block_manager.num_cached_prefix_tokens(seq, seq.num_tokens - 1)
         return max(1, self._num_computable(seq) - max(cached, seq.num_computed_tokens))
 
-    def _admission_key(self, seq: Sequence) -> tuple[bool, float, int]:
-        """Submitted prompts before drafts; then, prompts one by one, the highest response ratio, the least work."""
-        if self.prompt_batch_tokens is None or seq.is_draft:
-            return seq.is_draft, 0.0, 0
-        work = self._work(seq)
-        return False, -(self.work_done - seq.queued_at_work + work) / work, work
-
-    @property
-    def _by_deadline(self) -> bool:
-        return self.deadline_work is not None and self.prompt_batch_tokens is not None
-
-    def _deadline_order(self, prompts: list[Sequence], clock: int) -> list[tuple[Sequence, int]]:
-        """`prompts`, each with its work, in the order that leaves the fewest first tokens late if the clock
-        starts at `clock` and none arrives meanwhile: Moore-Hodgson's over arrival order (the deadline is the
-        same for all), those that cannot be on time last, in arrival order; overdue ones before all."""
-        assert self.deadline_work is not None
-        work = {seq.request_id: self._work(seq) for seq in prompts}
-        by_arrival = sorted(prompts, key=lambda s: s.queued_at_work)
-        overdue = [s for s in by_arrival if clock - s.queued_at_work > OVERDUE_DEADLINES * self.deadline_work]
-        rest = by_arrival[len(overdue):]
-        longest_first: list[tuple[int, int]] = []  # (-work, arrival index) of those kept on time: a max-heap
-        late: list[int] = []
-        clock += sum(work[s.request_id] for s in overdue)
-        for i, seq in enumerate(rest):
-            heapq.heappush(longest_first, (-work[seq.request_id], i))
-            clock += work[seq.request_id]
-            if clock > seq.queued_at_work + self.deadline_work:
-                minus_work, longest = heapq.heappop(longest_first)  # of equal work, the first to arrive
-                late.append(longest)
-                clock += minus_work
-        moved = set(late)
-        on_time = [seq for i, seq in enumerate(rest) if i not in moved]
-        order = overdue + on_time + sorted((rest[i] for i in late), key=lambda s: s.queued_at_work)
-        return [(seq, work[seq.request_id]) for seq in order]
+    def _admission_key(self, seq: Sequence) -> tuple[float, ...]:
+        """Submitted prompts before drafts; among them, the prompt order's choice."""
+        if seq.is_draft:
+            return (True,)
+        if not self.prompt_order.ranks_by_work:
+            return (False,)
+        return False, *self.prompt_order.key(self.work_done - seq.queued_at_work, self._work(seq))
 
     def first_token_work(self) -> dict[str, int]:
         """Each submitted prompt without its first token -> the prompt tokens this scheduler computes until
         that first token, if no other arrives: the started prompts' rest first (`started_prompts`), then the
-        waiting ones in the order it would start them (prompts one by one: by deadline, or by response ratio
-        as its clock advances). Only the first MAX_FORETOLD waiting in the queue's last order count: the account
-        costs their number squared."""
+        waiting ones in the order it would start them, the prompt order asked again as its clock advances.
+        Only the first MAX_FORETOLD waiting in the queue's last order count: the account costs their number
+        squared."""
         done, until = 0, {}
         for seq in self.started_prompts():
             done += self.num_pending_tokens(seq)
             until[seq.request_id] = done
         prompts = list(itertools.islice((seq for seq in self.waiting if not seq.is_draft), MAX_FORETOLD))
         clock = self.work_done + done
-        if self._by_deadline:
-            for seq, work in self._deadline_order(prompts, clock):
-                done += work
-                until[seq.request_id] = done
-            return until
         pending = {seq.request_id: (seq.queued_at_work, self._work(seq)) for seq in prompts}
+        order = self.prompt_order
         while pending:
-            if self.prompt_batch_tokens is None:
-                request_id = next(iter(pending))
-            else:
-                request_id = min(pending, key=lambda r: (-(clock - pending[r][0] + pending[r][1]) / pending[r][1],
-                                                         pending[r][1]))
+            request_id = min(pending, key=lambda r: order.key(clock - pending[r][0], pending[r][1]))
             work = pending.pop(request_id)[1]
             clock, done = clock + work, done + work
             until[request_id] = done
@@ -273,11 +231,7 @@ class Scheduler:
                 self._place(batch, seq, n)
                 served.add(id(seq))
                 budget -= n
-        if len(self.waiting) > 1 and self._by_deadline:
-            clock = self.work_done + sum(self.num_pending_tokens(seq) for seq in self.started_prompts())
-            prompts = self._deadline_order([seq for seq in self.waiting if not seq.is_draft], clock)
-            self.waiting = deque([seq for seq, _ in prompts] + [seq for seq in self.waiting if seq.is_draft])
-        elif len(self.waiting) > 1 and (self.prompt_batch_tokens is not None or any(s.is_draft for s in self.waiting)):
+        if len(self.waiting) > 1 and (self.prompt_order.ranks_by_work or any(s.is_draft for s in self.waiting)):
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -4,7 +4,7 @@
   global default), which its controller link reports every second;
 * `gateway_metrics`, `worker_metrics`: what the roles measure (request life
   cycle at the gateway; steps, prefills, KV and transfers in workers);
-* `health`: the indices of DESIGN.md (PSI, DS, KE, ETOP) as plain functions;
+* `health`: the health indices (PSI, DS, KE, ETOP) as plain functions;
 * `exposition`: Prometheus text in and out: parse, relabel, merge, render;
 * `aggregator`, `metrics_server`: the controller's merged view and its HTTP port;
 * `gateway_view`: what the gateway's `/metrics` serves (its live metrics and the merged view);

@@ -1,4 +1,4 @@
-"""The health indices of DESIGN.md, as plain functions of what each one is computed from.
+"""The health indices (docs/architecture.md, Metrics), as plain functions of what each one is computed from.
 
 * PSI, prefill stability = mean / std of recent prefill times (target > 8):
   a prefill worker whose prefills take predictably long;

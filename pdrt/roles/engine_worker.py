@@ -19,8 +19,7 @@ logs and drops a message whose handler raises.
 On the CPU, prefill and decode workers keep an entry in the run's thread
 ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
 work, and a decode worker runs each step with the threads of the idle ones
-too, unless `[decode] borrow_threads` is off or the model has fewer than
-`borrow_min_params` parameters.
+too, where its profile says so (pdrt/worker_profile.py).
 
 Drafts (prompts still being typed) are handled here for every role that
 prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
@@ -49,6 +48,7 @@ from pdrt.roles.messaging import Inbox, Outbox, Senders
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
 from pdrt.wire import DraftSubmitted, DraftUpdate, Load, PrefillRequest, RequestFailed, StepOutputs
+from pdrt.worker_profile import log_profile, worker_profile
 
 log = structlog.get_logger(__name__)
 
@@ -57,11 +57,6 @@ IDLE_WAIT_S = 0.5
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
 LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measuring it costs a pass over the queues
-
-
-def borrows(config: NodeConfig, engine: LLMEngine) -> bool:
-    """Whether a decode worker of this engine borrows idle prefill threads (`[decode] borrow_*`)."""
-    return config.decode.borrow_threads and engine.loaded.num_params >= config.decode.borrow_min_params
 
 
 class EngineWorker(Actor):
@@ -75,12 +70,15 @@ class EngineWorker(Actor):
         self.process_id = process_id
         engine_config = config.engine_config(self.role)
         self.engine = LLMEngine(engine_config, kv_allocator=kv_allocator)
+        num_params = self.engine.loaded.num_params
+        self.profile = worker_profile(config, self.role, num_params)
+        log_profile(self.profile, process_id, num_params)
         self.ledger: ThreadLedger | None = None
         self.step_threads = engine_config.num_threads
         if self.role in ("prefill", "decode") and engine_config.device == "cpu":
             try:
                 self.ledger = ThreadLedger(run_id, process_id, engine_config.num_threads,
-                                           borrow=self.role == "decode" and borrows(config, self.engine))
+                                           borrow=self.profile.borrow_threads)
             except OSError as exc:  # no /dev/shm: the worker runs on its own threads alone
                 log.warning("no thread ledger: this worker neither lends nor borrows threads", error=str(exc))
         key = config.key
@@ -93,7 +91,7 @@ class EngineWorker(Actor):
         self.wake = asyncio.Event()
         self.reply_to: dict[str, str] = {}  # request id -> the inbox of the gateway that sent it
         self.drafts: dict[str, float] = {}  # draft id -> time of its last update
-        self.draft_ttl_s = config.engine.draft_ttl_s
+        self.draft_ttl_s = config.experimental.draft_ttl_s
         self._load = Load()
         self._load_measured_at = 0.0
         self.metrics = WorkerMetrics(self.role, self.engine, self.load)

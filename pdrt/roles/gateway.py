@@ -54,7 +54,6 @@ from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.gateway_request import new_internal_id
 from pdrt.roles.messaging import WORKER_ROLES, Inbox, Outbox
-from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.roles.prompt_renderer import PromptRenderer, text_chars
 from pdrt.roles.prompt_renders import INLINE_CHARS, PromptRenders, Rendered
 from pdrt.roles.request_table import RequestTable
@@ -137,24 +136,22 @@ class Gateway(Actor):
         self.handshaken: OrderedDict[bytes, None] = OrderedDict()
         self.gone_clients: set[bytes] = set()
         self.counters: Counter[str] = Counter()
-        role = "colocated" if config.mode == "colocated" else "prefill"
+        role, x = config.prefilling_role, config.experimental
         self.drafts = DraftBook(self.tokenizer, self.prompts.max_chars, self.max_model_len, self.router, self.outbox,
-                                role, config.gateway.max_drafts, config.engine.draft_ttl_s, self._new_id,
-                                self.counters)
-        self.warmups = Warmups(config.warmup, self.tokenizer, self.max_model_len, self.router, self.outbox, role,
-                               self._new_id, self.counters)
-        self.table = RequestTable(config.gateway, self.tokenizer, self.router, self.outbox, self.inbox.address, role,
-                                  self.drafts, self.warmups, self._reply_all, process_id,
-                                  PrefixMemory(config.engine.block_size, config.engine.hash_seed))
+                                role, x.max_drafts, x.draft_ttl_s, self._new_id, self.counters)
+        self.warmups = Warmups(x.warmup_max_reservations, x.warmup_ttl_s, self.tokenizer, self.max_model_len,
+                               self.router, self.outbox, role, self._new_id, self.counters)
+        self.table = RequestTable(config, self.tokenizer, self.router, self.outbox, self.inbox.address, self.drafts,
+                                  self.warmups, self._reply_all, process_id)
         self.warmup_listener: WarmupListener | None = None
         if config.warmup.key:
-            guard = WarmupGuard(config.warmup.key.encode(), self.model_name, config.warmup.max_age_s)
+            guard = WarmupGuard(config.warmup.key.encode(), self.model_name, x.warmup_max_age_s)
             self.warmup_listener = WarmupListener(config.host, config.warmup.port, guard,
                                                   lambda session_id: self._tell(Warmup(session_id)))
         self.http: HttpFront | None = None
         if config.gateway.http_port:
             self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
-                                  self.max_model_len, config.gateway.request_timeout_s, self._ask_from_http,
+                                  self.max_model_len, x.request_timeout_s, self._ask_from_http,
                                   lambda message: self._tell(FromHttp(message)), self.status,
                                   lambda: self.metrics_view.exposition())
         self.metrics_view = GatewayMetricsView(self.table.metrics, self.status, process_id)
@@ -451,7 +448,7 @@ class Gateway(Actor):
 
     async def _drain(self) -> None:
         self.table.admitting = False
-        deadline = time.monotonic() + self.config.gateway.drain_timeout_s
+        deadline = time.monotonic() + self.config.experimental.drain_timeout_s
         log.info("gateway draining", open_requests=len(self.table.by_client))
         while (self.table.by_client or self.renders) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

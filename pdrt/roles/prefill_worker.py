@@ -60,7 +60,7 @@ class PrefillWorker(EngineWorker):
         descriptor = self.source.descriptor
         log.info("kv source serving", backend=TransferBackend(descriptor.backend).name.lower(),
                  address=descriptor.tcp_address or descriptor.address)
-        self.lease_s = config.engine.kv_lease_s
+        self.lease_s = config.experimental.kv_lease_s
         self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
         self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
         self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
@@ -164,8 +164,6 @@ class PrefillWorker(EngineWorker):
         added, not a step later. It costs the square of the waiting prompts, up to MAX_FORETOLD."""
         load = super()._measure_load()
         scheduler = self.engine.scheduler
-        if self.config.prefill.prompt_order == "deadline" and load.prefill_tokens_per_s > 0.0:
-            scheduler.deadline_work = round(self.config.gateway.ttft_slo_s * load.prefill_tokens_per_s)
         load.first_token_work = scheduler.first_token_work()
         load.prefilling = [seq.request_id for seq in scheduler.started_prompts()]
         return load

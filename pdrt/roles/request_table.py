@@ -8,7 +8,7 @@ attempt, so that late outputs of the old one are recognized and ignored.
 """
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,15 +27,9 @@ from pdrt.errors import (
     WorkerLostError,
 )
 from pdrt.metrics.gateway_metrics import GatewayMetrics
-from pdrt.node_config import GatewayConfig
+from pdrt.node_config import NodeConfig
 from pdrt.roles.gateway_request import GatewayRequest, new_internal_id
-from pdrt.roles.local_prefill import (
-    first_token_seconds,
-    may_prefill_on_decode,
-    prompt_to_move,
-    stall_fits,
-    tpot_bound,
-)
+from pdrt.roles.local_prefill import LocalPrefill, LocalPrefillRules
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.roles.router import Router
@@ -59,27 +53,29 @@ MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class RequestTable:
-    def __init__(self, config: GatewayConfig, tokenizer: Any, router: Router, outbox: Outbox, inbox_address: str,
-                 role: str, drafts: DraftBook, warmups: Warmups,
-                 reply: Callable[[bytes, list[msgspec.Struct]], None], process_id: str,
-                 prefixes: PrefixMemory) -> None:
-        self.config = config
+    def __init__(self, config: NodeConfig, tokenizer: Any, router: Router, outbox: Outbox, inbox_address: str,
+                 drafts: DraftBook, warmups: Warmups, reply: Callable[[bytes, list[msgspec.Struct]], None],
+                 process_id: str) -> None:
+        self.max_open_requests = config.gateway.max_open_requests
+        self.request_timeout_s = config.experimental.request_timeout_s
         self.tokenizer = tokenizer
         self.router = router
         self.outbox = outbox
         self.inbox_address = inbox_address
-        self.role = role  # the role that prefills: "prefill" (then a decode worker too) or "colocated"
+        self.role = config.prefilling_role  # "prefill" (then a decode worker too) or "colocated"
         self.drafts = drafts
         self.warmups = warmups
         self.reply = reply  # a client's frames, sent as the parts of one ZeroMQ message
         self.held: dict[bytes, list[msgspec.Struct]] | None = None  # while a worker's outputs are taken
         self.process_id = process_id
-        self.prefixes = prefixes  # where the prompts' KV went: the prompts' cached parts, for moves
+        # Where the prompts' KV went: the prompts' cached parts, for moves.
+        self.prefixes = PrefixMemory(config.experimental.block_size, config.experimental.hash_seed)
         self.requests: dict[str, GatewayRequest] = {}  # attempt id -> request
+        self.local = LocalPrefill(LocalPrefillRules.of(config), router, self.prefixes, self.requests, process_id)
         self.by_client: dict[tuple[bytes, str], GatewayRequest] = {}
         self.unrouted: deque[GatewayRequest] = deque()
         self.admitting = True
-        self.metrics = GatewayMetrics(config)
+        self.metrics = GatewayMetrics(config.gateway)
 
     # -- admission ----------------------------------------------------------------------
 
@@ -90,7 +86,7 @@ class RequestTable:
         if (identity, request_id) in self.by_client:
             raise DuplicateRequestError(f"request {request_id!r} is already open")
         num_open = len(self.by_client) + num_pending
-        if num_open >= self.config.max_open_requests:
+        if num_open >= self.max_open_requests:
             raise OverloadedError(f"the server has {num_open} open requests, its limit; retry later")
         if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):
             raise InvalidRequestError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
@@ -98,7 +94,7 @@ class RequestTable:
     def admit(self, identity: bytes, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
               timeout_s: float | None) -> GatewayRequest:
         self.check_admission(identity, request_id, timeout_s)
-        deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
+        deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
         return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
 
     def open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
@@ -134,7 +130,8 @@ class RequestTable:
             self.drafts.drop(draft, "drafts_rerouted")  # its KV is gone with its worker, or it never had any
         if prefill is None or (decode is None and self.role == "prefill" and local_on is None):
             return False
-        if local_on is None and not held and req.preferred is None and self._prefills_on_decode(req, prefill, decode):
+        if local_on is None and not held and req.preferred is None and decode is not None \
+                and self.local.on_decode(req, prefill, decode, time.monotonic()):
             local_on = decode
         local = local_on is not None
         if local:
@@ -165,59 +162,6 @@ class RequestTable:
                  decode=decode.process_id if decode else None, from_draft=held, prefilled_on_decode=local)
         return True
 
-    def _prefills_on_decode(self, req: GatewayRequest, prefill: WorkerInfo | None, decode: WorkerInfo | None) -> bool:
-        """Conditional disaggregation: whether the decode worker should prefill this prompt itself.
-
-        When every prefill worker is backed up, a short prompt waits there for
-        the whole queue, while a decode worker, which runs without a break but
-        often well within its TPOT SLO, computes it in one step of its own.
-        `may_prefill_on_decode` weighs the two; the backlog is this gateway's
-        prompts that the prefill worker `pick` chose has not answered yet, and
-        one such prompt at a time goes to a decode worker, if its stall keeps
-        the requests there within their TPOT bound (`_seconds_on_decode`, once
-        the workers' prefill rates are known). Drafts and warmed-up sessions
-        keep their prefill worker.
-        """
-        if prefill is None or decode is None:
-            return False
-        backlog = 0
-        for other in self.requests.values():
-            if other.has_tokens or other.prefill is None:
-                continue
-            if other.prefill.process_id == prefill.process_id:
-                backlog += len(other.prompt_token_ids)
-            elif other.prefill.process_id == decode.process_id:
-                return False  # its local prefill is still running
-        if not may_prefill_on_decode(self.config, len(req.prompt_token_ids), backlog, decode.load):
-            return False
-        rate = prefill.load.prefill_tokens_per_s
-        return rate <= 0.0 or self._seconds_on_decode(req, decode, rate, time.monotonic()) is not None
-
-    def _seconds_on_decode(self, req: GatewayRequest, decode: WorkerInfo, prefill_rate: float, now: float
-                           ) -> float | None:
-        """Seconds until `req`'s first token if `decode` prefilled it, behind the prompts it prefills already
-        (at its recent prefill rate, else `prefill_rate`; its cached prefix aside); None when that stall would
-        take a request decoding there, or to decode there next, past its TPOT bound (`stall_fits`)."""
-        local_tokens, others = 0, []
-        for other in self.requests.values():
-            if other is req or other.prefill is None:
-                continue
-            if other.decode is not None and other.decode.process_id == decode.process_id:
-                others.append(other)
-            elif other.decode is None and other.prefill.process_id == decode.process_id:
-                others.append(other)
-                local_tokens += 0 if other.has_tokens else len(other.prompt_token_ids)
-        uncached = self._uncached_tokens(req, decode.process_id)
-        seconds = (local_tokens + uncached) / (decode.load.prefill_tokens_per_s or prefill_rate)
-        if others and not stall_fits(others, seconds, decode.load.decode_step_s, tpot_bound(self.config, decode.load),
-                                     now):
-            return None
-        return seconds
-
-    def _uncached_tokens(self, req: GatewayRequest, process_id: str) -> int:
-        """The tokens of `req`'s prompt that worker `process_id` would compute: those past the prefix it holds."""
-        return len(req.prompt_token_ids) - self.prefixes.cached_tokens(process_id, req.block_keys(self.prefixes))
-
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
             req = self.unrouted.popleft()
@@ -226,46 +170,17 @@ class RequestTable:
                 break
 
     def rebalance(self) -> None:
-        """Each tick: off each prefill worker's queue, move the prompt `prompt_to_move` picks to its decode worker,
-        one per decode worker, if it has not started (`Withdraw`, answered by `withdrawn`)."""
-        if self.role != "prefill" or self.config.local_prefill_max_tokens <= 0:
-            return
-        now = time.monotonic()
-        queues: defaultdict[str, dict[str, GatewayRequest]] = defaultdict(dict)  # prefill worker -> prompts there
-        for req in self.requests.values():
-            if not req.has_tokens and req.prefill is not None and req.decode is not None:
-                queues[req.prefill.process_id][req.internal_id] = req
-        taken: set[str] = set()  # decode workers asked to take a prompt this tick
+        """Each tick: move waiting prompts that their prefill worker's queue would make late to their decode
+        workers (`LocalPrefill.move`), asked back with `Withdraw` and answered by `withdrawn`."""
+        if self.role == "prefill":
+            self.local.move(time.monotonic(), self._withdraw)
 
-        def seconds_on_decode(req: GatewayRequest, prefill_rate: float, started: set[str]) -> float | None:
-            assert req.decode is not None
-            decode = self.router.workers.get(req.decode.process_id)
-            if decode is None or decode.process_id in taken or req.pinned or req.withdrawing \
-                    or req.preferred is not None or req.internal_id in started:
-                return None
-            return self._seconds_on_decode(req, decode, prefill_rate, now)
-
-        ours = f"{self.process_id}-"
-        for process_id, queue in queues.items():
-            prefill = self.router.workers.get(process_id)
-            if prefill is None or prefill.load.prefill_tokens_per_s <= 0.0:
-                continue
-            rate, account = prefill.load.prefill_tokens_per_s, prefill.load.first_token_work
-            started = set(prefill.load.prefilling)
-            seconds = first_token_seconds(account, lambda rid, q=queue: rid.startswith(ours) and rid not in q, rate)
-            waiting = [(queue[rid], s) for rid, s in seconds.items() if rid in queue]
-            # Prompts sent since the account was made (or past its MAX_FORETOLD) come after all it holds.
-            tail = max(seconds.values(), default=0.0)
-            for rid, req in queue.items():
-                if rid not in account:
-                    tail += self._uncached_tokens(req, process_id) / rate
-                    waiting.append((req, tail))
-            req = prompt_to_move(waiting, self.config.ttft_slo_s, now,
-                                 lambda r, rate=rate, started=started: seconds_on_decode(r, rate, started))
-            if req is not None and req.prefill is not None and req.decode is not None \
-                    and self.outbox.send(req.prefill.address, Withdraw(req.internal_id, self.inbox_address)):
-                req.withdrawing = True
-                taken.add(req.decode.process_id)
+    def _withdraw(self, req: GatewayRequest) -> bool:
+        if req.prefill is None or not self.outbox.send(req.prefill.address, Withdraw(req.internal_id,
+                                                                                     self.inbox_address)):
+            return False
+        req.withdrawing = True
+        return True
 
     def withdrawn(self, message: Withdrawn) -> None:
         """A prefill worker's answer to `Withdraw`: an unstarted prompt goes to its decode worker to be prefilled."""

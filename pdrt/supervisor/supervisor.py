@@ -207,7 +207,7 @@ class Supervisor:
         controller = [by_name["controller"]] if "controller" in by_name else []
         workers = [c for c in self.children if c.name not in ("gateway", "controller")]
         self._log.info("stopping node")
-        self._stop_group(gateway, self.config.gateway.drain_timeout_s + self.stop_timeout_s)
+        self._stop_group(gateway, self.config.experimental.drain_timeout_s + self.stop_timeout_s)
         self._stop_group(workers, self.stop_timeout_s)
         self._stop_group(controller, self.stop_timeout_s)
         for child in self.children:

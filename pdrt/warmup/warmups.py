@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from pdrt.node_config import WarmupConfig
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_tokenizer import DraftTokenizer
@@ -23,8 +22,8 @@ from pdrt.wire import Abort, DraftUpdate, WorkerInfo
 
 
 class Warmups:
-    def __init__(self, config: WarmupConfig, tokenizer: Any, max_model_len: int, router: Router, outbox: Outbox,
-                 role: str, new_id: Callable[[], str], counters: Counter[str]) -> None:
+    def __init__(self, max_reservations: int, ttl_s: float, tokenizer: Any, max_model_len: int, router: Router,
+                 outbox: Outbox, role: str, new_id: Callable[[], str], counters: Counter[str]) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.router = router
@@ -33,7 +32,7 @@ class Warmups:
         self.new_id = new_id
         self.counters = counters
         self.sessions = SessionStore()
-        self.reservations = Reservations(config.max_reservations, config.ttl_s)
+        self.reservations = Reservations(max_reservations, ttl_s)
 
     def worker_for(self, session_id: str) -> WorkerInfo | None:
         """The worker holding `session_id`'s warmup; counts a warmup hit or miss for a session's request."""
