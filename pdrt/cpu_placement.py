@@ -11,12 +11,10 @@ counterpart of giving decode a device of its own. A decode worker that
 borrows idle prefill threads (pdrt/roles/thread_ledger.py) may also run on
 the prefill workers' cores, where those threads are.
 
-It is off by default: the split is static, and on a host of few cores the
-rest is too small. On 2 cores with the tiny test model (2026-12-04) it took
-the chat streams' TPOT p99 under long prompts from 14.2 and 8.3 ms to 7.3
-and 8.3 ms, but over HTTP, where the gateway needs more of a core, prefill
-and the gateway on one core broke TTFT first: goodput fell to 0.89 and 0.92
-of the colocated server's (docs/benchmarks.md).
+It is off by default (`[experimental] own_cores`): the split is static, and
+on a host of few cores the rest is too small: the decode streams' TPOT gets
+steadier, but over HTTP, where the gateway needs more of a core, prefill and
+the gateway on one core break TTFT first.
 
 The shares are the ones `pdrt systemd --pin-cpus` writes into the units'
 CPUAffinity: consecutive cores in start order, as many as each worker's

@@ -74,12 +74,11 @@ CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
 KV_CACHE_BYTES = 4 << 30
 TARGET = 0.9
 MIN_REQUESTS = 10  # per rate: at low rates, rate x duration is too few requests to read an attainment off
-# The widest bracket of rates that goodput is interpolated over. Attainment is not linear in the rate: across a
-# bracket of 1.41 it fell from 100% to 19% (SmolLM2, disaggregated), so the 90% crossing needs a narrower one.
+# The widest bracket of rates that goodput is interpolated over. Attainment is not linear in the rate: a wider
+# bracket can hold its whole fall from 100% to 20%, so the 90% crossing needs a narrow one.
 BRACKET = 1.2
 # Interference runs alone and mixed in alternating slices of about this many seconds (the first of each pair
-# alternating too), so that the host's drift over minutes, which moved one TPOT p99 by 1.5x between runs a
-# few minutes apart, falls on both. (Until 2026-12-04 each ran whole, one after the other.)
+# alternating too), so that the host's drift over minutes falls on both conditions alike.
 SLICE_S = 20.0
 
 
@@ -296,8 +295,7 @@ async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
     # The colocated server's knee: TTFT within a few prefill times and TPOT within 2.5x its unloaded step,
     # which its prefill chunks break first as load rises (DistServe sets its SLOs the same way, as
     # multiples of light-load latency). The step is the light load's median TPOT: its p90, of a few
-    # requests, is the slowest one or two, and on a noisy host one slow moment then set a TPOT SLO of 4x
-    # the step (docs/benchmarks.md, 2026-12-04).
+    # requests, is the slowest one or two, and on a noisy host one slow moment then sets the TPOT SLO.
     slo = Slo(round(4 * ttft, 3), round(2.5 * tpot, 4))
     log(f"pilot: one chat request e2e {ms(e2e)}; light load ({light_rate:.2g} req/s) TTFT p90 {ms(ttft)}, "
         f"TPOT p50 {ms(tpot)} (p90 {ms(light.summary.tpot.p90)}); one long prompt TTFT {ms(long.summary.ttft.p50)}")
@@ -581,16 +579,13 @@ def main() -> None:
         keep_cpu("hf", best[2])
 
     # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in: 0.6x the lower
-    # of their goodputs. (Until 2026-12-03 it was 0.6x colocated's, which on the tiny model put the chat stream
-    # alone above the disaggregated server's goodput in the rounds where that was the lower: overload, not
-    # interference.)
+    # of their goodputs: above the lower one, the chat stream alone overloads that server, which measures
+    # overload, not interference.
     measured = [statistics.median(goodputs[name]) for name in ("colocated", "disaggregated") if goodputs[name]]
     chat_rate = args.chat_rate or round(max(start_rate, 0.6 * min(measured, default=0.0)), 3)
     # Long prompts whose prefill keeps a core about a third busy, and never more than half the chat rate. The
-    # pilot's long prompt ran on every core (colocated), so it cost about that many core-seconds. (Until
-    # 2026-12-02 this divided by its TTFT alone, which on 2 cores put two thirds of a core of long prompts on
-    # top of the chat prompts: past the capacity of a one-core prefill worker, whose queue then grew for the
-    # whole run.)
+    # pilot's long prompt ran on every core (colocated), so it cost about that many core-seconds: more would
+    # pass the capacity of a one-core prefill worker, whose queue would then grow for the whole run.
     long_rate = args.long_rate or round(min(0.35 / (long_ttft * (os.cpu_count() or 1)), chat_rate / 2), 3)
     print(f"interference: chat at {chat_rate:g} req/s, long prompts (summarization) at {long_rate:g} req/s, "
           f"{settings.interference_s:g} s each; native protocol, token ids, ignore_eos", flush=True)

@@ -5,11 +5,10 @@ from dataclasses import dataclass
 from pdrt.errors import InvalidRequestError
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-# Measured with scripts/bench_chunk_size.py and bench_engine.py on 2 CPU cores: chunks
-# of 128 and 256 cost a third and a fifth of prefill throughput on a small model
-# (each chunk re-gathers its context), while a decode step that shares the batch
-# with 512 prefill tokens stalls about 2.6x less than one with a whole 2048-token
-# prompt. Colocated deployments that weigh TPOT over TTFT can lower it.
+# Smaller chunks cost prefill throughput (each chunk re-gathers its context),
+# larger ones stall the decode steps that share a batch with them for longer
+# (scripts/bench_chunk_size.py measures both). Colocated deployments that weigh
+# TPOT over TTFT can lower it.
 DEFAULT_PREFILL_CHUNK = 512
 # A draft's stable tokens start being prefilled once this many are waiting
 # (most short prompts are typed and sent before, and cost nothing ahead);

@@ -4,11 +4,10 @@ A decode step multiplies a few rows (one per sequence) by every weight
 matrix. torch's CPU linear hands that to MKL, which repacks the weight
 matrix into its own blocked layout on every call: for few rows the repacking
 costs as much as the product. oneDNN's linear takes a weight packed once, at
-load (the same path torch's inductor uses for frozen CPU models). Measured
-on SmolLM2-135M, 2 AMD EPYC cores: decode steps of 4 to 32 sequences 9-26%
-faster on one thread and 16-42% on two, a 512-token prefill 1-12% faster; a
-step of a single sequence on one thread is about 20% slower (MKL's
-matrix-vector path streams the weights faster), and equal on two.
+load (the same path torch's inductor uses for frozen CPU models): decode
+steps of several sequences and prefills get faster, while a step of a single
+sequence on one thread gets slower (MKL's matrix-vector path streams the
+weights faster); scripts/bench_cpu_kernels.py measures both.
 
 Weights below MIN_PACKED_WEIGHT stay with torch. The packed weight replaces
 the original, so memory stays the same, except for an output projection tied

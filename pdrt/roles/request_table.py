@@ -240,7 +240,7 @@ class RequestTable:
 
     def outputs(self, message: StepOutputs) -> None:
         """Take a worker's step: what it brings each client goes out as one message, not one per request
-        (a send wakes ZeroMQ's I/O thread: at 2000 tokens a second it took half the gateway's CPU)."""
+        (a send wakes ZeroMQ's I/O thread: one per token costs the gateway a large share of its CPU)."""
         self.held = {}
         try:
             self._outputs(message)

@@ -170,9 +170,8 @@ class TcpSource(BookedSource):
 class _SendBuffer:
     """Where gathered blocks wait for their zero-copy send; reused once libzmq is done with it.
 
-    A fresh 100 MB buffer per reply costs more in page faults than the
-    gather's copy itself (5x the copy on the benchmark machine), so the
-    server keeps one, and takes a new one only while the last reply is still
+    A fresh buffer of a hundred megabytes per reply costs more in page faults
+    than the gather's copy itself, so the server keeps one, and takes a new one only while the last reply is still
     being sent (pyzmq keeps that one alive until then).
     """
 
