@@ -1,102 +1,154 @@
 """OpenAI's completion and chat-completion shapes, to and from pdrt's own messages.
 
-Parsing turns a request body into a pdrt `Generate` (or the parameters of
-a draft's submit): the parameters pdrt implements are mapped, a few that
-change the output and that pdrt does not implement are refused with a 400
-(rather than silently ignored), and the rest (user, metadata, ...) are
-ignored as OpenAI-compatible servers do. Formatting builds the JSON bodies
-and the server-sent-event chunks of both APIs.
+Parsing decodes a request body straight into its type (`ChatBody`,
+`CompletionBody`, the draft and warmup bodies): a field of the wrong type or
+out of range is a 400 naming where it is (`$.temperature`), before anything
+else happens. The parameters pdrt implements are mapped; a few that change
+the output and that pdrt does not implement are refused when set (rather
+than silently ignored); unknown keys (user, metadata, ...) are ignored, as
+OpenAI-compatible servers do. Formatting builds the JSON bodies and the
+server-sent-event chunks of both APIs.
 """
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
 
-from pdrt.engine.sampling_params import SamplingParams
+import msgspec
+from msgspec import Meta
+
+from pdrt.engine.sampling_params import MAX_INT, SamplingParams
 from pdrt.errors import InvalidRequestError, PdrtError
 from pdrt.wire import ChatMessage, Generate, Tokens, Usage
 
+DEFAULT_MAX_TOKENS_COMPLETIONS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
 UNSUPPORTED_IF_SET = {"logit_bias": None, "tools": None, "functions": None, "response_format": None,
                       "logprobs": None, "echo": False, "best_of": 1, "suffix": None, "top_logprobs": None,
                       "presence_penalty": 0, "frequency_penalty": 0}
-DEFAULT_MAX_TOKENS_COMPLETIONS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
+Count = Annotated[int, Meta(ge=1, le=MAX_INT)]
+
+Body = TypeVar("Body")
 
 
-def _number(body: dict, name: str, kind: type, default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be a {kind.__name__}, got {value!r}")
-    return value
+def decode_body(data: bytes, kind: type[Body]) -> Body:
+    """The request body `data` as `kind`, or InvalidRequestError saying what is wrong and where."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"invalid request body: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """The sampling parameters of an OpenAI request body (raises InvalidRequestError or its subclasses)."""
-    for name, neutral in UNSUPPORTED_IF_SET.items():
-        if body.get(name) not in (None, neutral):
-            raise InvalidRequestError(f"'{name}' is not supported by this server")
-    if _number(body, "n", int, 1) != 1:
-        raise InvalidRequestError("only n=1 is supported")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise InvalidRequestError("'stop' must be a string or a list of strings")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = default_max_tokens if max_tokens is None else _number({"max_tokens": max_tokens}, "max_tokens",
-                                                                       int, None)
-    ignore_eos = body.get("ignore_eos", False)  # an extension vLLM also has: benchmarks force output lengths
-    if not isinstance(ignore_eos, bool):
-        raise InvalidRequestError("'ignore_eos' must be a boolean")
-    return SamplingParams(temperature=_number(body, "temperature", float, 1.0),
-                          top_p=_number(body, "top_p", float, 1.0), seed=_number(body, "seed", int, None),
-                          max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+class TextPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str = ""
 
 
-def chat_messages(body: dict) -> list[ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("'messages' must be a non-empty list")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError("each message needs a 'role' and a 'content'")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise InvalidRequestError("only text content parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequestError("a message's 'content' must be a string or a list of text parts")
-        out.append(ChatMessage(m["role"], content))
-    return out
+class MessageBody(msgspec.Struct):
+    role: str
+    content: str | list[TextPart]
+
+    def chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(self.role, content)
 
 
-def chat_request(body: dict, context_length: int) -> Generate:
-    """`session_id`, a pdrt extension, lets a later warmup of the session prefill this conversation."""
-    return Generate(uuid.uuid4().hex, messages=chat_messages(body), params=sampling_params(body, context_length),
-                    stream=bool(body.get("stream", False)), session_id=str(body.get("session_id") or ""))
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
 
 
-def completion_request(body: dict) -> Generate:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    params = sampling_params(body, DEFAULT_MAX_TOKENS_COMPLETIONS)
-    stream = bool(body.get("stream", False))
-    if isinstance(prompt, str):
-        return Generate(uuid.uuid4().hex, prompt=prompt, params=params, stream=stream)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Generate(uuid.uuid4().hex, token_ids=prompt, params=params, stream=stream)
-    raise InvalidRequestError("'prompt' must be a string, one string in a list, or a list of token ids")
+class ParamsBody(msgspec.Struct, kw_only=True):
+    """The sampling parameters and streaming options every generating body shares."""
+
+    # Null is as good as absent for every field, as OpenAI's own server takes it.
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: Literal[1] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # an extension vLLM also has: benchmarks force output lengths
+    # Refused when set to anything but their neutral value (UNSUPPORTED_IF_SET).
+    logit_bias: Any = None
+    tools: Any = None
+    functions: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    echo: Any = False
+    best_of: Any = 1
+    suffix: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = 0
+    frequency_penalty: Any = 0
+
+    def __post_init__(self) -> None:
+        for name, neutral in UNSUPPORTED_IF_SET.items():
+            if getattr(self, name) not in (None, neutral):
+                raise InvalidRequestError(f"'{name}' is not supported by this server")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, max_tokens=max_tokens,
+                              stop=stop, ignore_eos=bool(self.ignore_eos))
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
-def include_usage(body: dict) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
+class ChatBody(ParamsBody, kw_only=True):
+    messages: Annotated[list[MessageBody], Meta(min_length=1)]
+    session_id: str | None = ""  # a pdrt extension: a later warmup of the session prefills this conversation
+
+    def generate(self, context_length: int) -> Generate:
+        return Generate(uuid.uuid4().hex, messages=[m.chat_message() for m in self.messages],
+                        params=self.sampling_params(context_length), stream=bool(self.stream),
+                        session_id=self.session_id or "")
+
+
+class CompletionBody(ParamsBody, kw_only=True):
+    prompt: str | Annotated[list[str | int], Meta(min_length=1)]  # a string, one string in a list, or token ids
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.prompt, list) and not (
+                (len(self.prompt) == 1 and isinstance(self.prompt[0], str))
+                or all(isinstance(t, int) for t in self.prompt)):
+            raise InvalidRequestError("'prompt' must be a string, one string in a list, or a list of token ids")
+
+    def generate(self) -> Generate:
+        params = self.sampling_params(DEFAULT_MAX_TOKENS_COMPLETIONS)
+        prompt, stream = self.prompt, bool(self.stream)
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            text = prompt if isinstance(prompt, str) else prompt[0]
+            return Generate(uuid.uuid4().hex, prompt=str(text), params=params, stream=stream)
+        return Generate(uuid.uuid4().hex, token_ids=[int(t) for t in prompt], params=params, stream=stream)
+
+
+class DraftOpenBody(msgspec.Struct):
+    messages: list[MessageBody] | None = None  # the conversation so far; None: a plain prompt
+    session_id: str | None = ""
+
+    def chat_messages(self) -> list[ChatMessage] | None:
+        return None if self.messages is None else [m.chat_message() for m in self.messages]
+
+
+class DraftTextBody(msgspec.Struct):
+    text: str
+
+
+class DraftSubmitBody(ParamsBody, kw_only=True):
+    pass
+
+
+class WarmupBody(msgspec.Struct):
+    session_id: Annotated[str, Meta(min_length=1)]
 
 
 def _usage(usage: Usage | None) -> dict | None:

@@ -16,7 +16,6 @@ With an API key configured, every `/v1/` route needs `Authorization: Bearer`.
 
 import asyncio
 import hmac
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,16 +25,19 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from pdrt.errors import InvalidRequestError, PdrtError
+from pdrt.errors import PdrtError
 from pdrt.http.openai_api import (
+    Body,
+    ChatBody,
+    CompletionBody,
+    DraftOpenBody,
+    DraftSubmitBody,
+    DraftTextBody,
     Response,
-    chat_messages,
-    chat_request,
-    completion_request,
+    WarmupBody,
+    decode_body,
     error_body,
     error_of,
-    include_usage,
-    sampling_params,
 )
 from pdrt.metrics.gateway_view import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdrt.wire import Cancel, DraftAbandon, DraftOpen, DraftSubmit, Error, Generate, Status, Tokens, Warmup
@@ -128,16 +130,9 @@ class HttpFront:
                 return web.json_response(body, status=status)
         return await handler(request)
 
-    async def _json(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InvalidRequestError("the request body is not valid JSON") from None
-        except RecursionError:
-            raise InvalidRequestError("the request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
-        return body
+    async def _body(self, request: web.Request, kind: type[Body]) -> Body:
+        """The request's body as `kind`; InvalidRequestError (a 400) saying what is wrong and where."""
+        return decode_body(await request.read(), kind)
 
     async def _take(self, message: object) -> None:
         """Hand a client message to the gateway; its refusal is raised here (and becomes the HTTP error)."""
@@ -148,12 +143,12 @@ class HttpFront:
     # -- OpenAI -------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._json(request)
-        return await self._generate(request, chat_request(body, self.context_length), True, include_usage(body))
+        body = await self._body(request, ChatBody)
+        return await self._generate(request, body.generate(self.context_length), True, body.include_usage)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._json(request)
-        return await self._generate(request, completion_request(body), False, include_usage(body))
+        body = await self._body(request, CompletionBody)
+        return await self._generate(request, body.generate(), False, body.include_usage)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -239,38 +234,29 @@ class HttpFront:
     # -- type-ahead and warmup ------------------------------------------------------------
 
     async def open_draft(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        raw = body.get("messages")
-        if raw is not None and not isinstance(raw, list):
-            raise InvalidRequestError("'messages' must be a list (possibly empty) or null")
-        messages = None if raw is None else chat_messages({"messages": raw}) if raw else []
+        body = await self._body(request, DraftOpenBody)
         draft_id = uuid.uuid4().hex
-        await self._take(DraftOpen(draft_id, messages, str(body.get("session_id") or "")))
+        await self._take(DraftOpen(draft_id, body.chat_messages(), body.session_id or ""))
         return web.json_response({"draft_id": draft_id}, status=201)
 
     async def draft_text(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if not isinstance(body.get("text"), str):
-            raise InvalidRequestError("'text' must be a string")
-        await self._take(DraftText(request.match_info["draft_id"], body["text"]))
+        body = await self._body(request, DraftTextBody)
+        await self._take(DraftText(request.match_info["draft_id"], body.text))
         return web.Response(status=204)
 
     async def submit_draft(self, request: web.Request) -> web.StreamResponse:
-        body = await self._json(request)
+        body = await self._body(request, DraftSubmitBody)
         message = DraftSubmit(request.match_info["draft_id"], uuid.uuid4().hex,
-                              sampling_params(body, self.context_length), bool(body.get("stream", False)))
-        return await self._generate(request, message, True, include_usage(body))
+                              body.sampling_params(self.context_length), bool(body.stream))
+        return await self._generate(request, message, True, body.include_usage)
 
     async def abandon_draft(self, request: web.Request) -> web.Response:
         await self._take(DraftAbandon(request.match_info["draft_id"]))
         return web.Response(status=204)
 
     async def warmup(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        session_id = body.get("session_id")
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidRequestError("'session_id' must be a non-empty string")
-        self.tell(Warmup(session_id))
+        body = await self._body(request, WarmupBody)
+        self.tell(Warmup(body.session_id))
         return web.Response(status=204)
 
     # -- operations --------------------------------------------------------------------------
