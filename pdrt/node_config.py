@@ -53,6 +53,9 @@ gateway), the others set `[controller] host` to that node's address,
 `enabled = false` for the controller and the gateway, counts of 0 for the
 roles they do not run, and a `node` name that keeps their workers' names
 apart in the controller's registry. docs/deploy.md has a two-node example.
+
+The whole schema is in this module, each setting documented where it is declared: that is why it
+is long.
 """
 
 import os

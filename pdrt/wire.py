@@ -20,6 +20,9 @@ Structs are `array_like` (compact, positional on the wire) and tagged, so one
 that is not msgpack, names no known tag, or has a field of the wrong type is
 rejected whole. KV bytes never travel in these structs: they move by handle
 (shared memory) or as separate zero-copy frames (TCP).
+
+Every wire type lives in this one module, on purpose: one decoder per union then validates any
+frame, and a reader finds the whole protocol in one place. That is why it is long.
 """
 
 from typing import Any

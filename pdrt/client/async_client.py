@@ -18,6 +18,9 @@ Life of a request in this client:
 5. `handshake_required` on a connection that said Hello means the gateway
    restarted and lost what was open: the next call says Hello again, and a
    request that had no reply yet is resent once (the new gateway never saw it).
+
+Long because the connection's whole life is here (handshake, one reader for every stream,
+reconnection after a gateway restart); streams and drafts are their own modules.
 """
 
 import asyncio

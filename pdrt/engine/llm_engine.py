@@ -9,6 +9,9 @@ Three ways in, one per kind of worker:
   `submit_draft` when it is complete (then as either of the above);
 * decode from imported KV: `reserve_import` returns the blocks to fill,
   `commit_import` starts decoding after the first token.
+
+The engine's whole public surface is this one class, which is why the module is long; the work it
+names lives in the scheduler, block manager, model runner and sampler.
 """
 
 import random

@@ -6,8 +6,8 @@ Life cycle of a request in the gateway:
    gets an `Error` reply and changes nothing); the client must have said
    `Hello` with our protocol version first;
 2. `Generate`: the prompt is tokenized (chat template for messages; a
-   large one on a thread of its own, prompt_renders.py) and checked against
-   the context, then routed: a prefill and a decode worker
+   large one on a thread of its own) and checked against the context
+   (request_intake.py), then routed: a prefill and a decode worker
    (or one colocated worker) picked from the controller's view; with no live
    worker the request waits in `unrouted` until one appears or it times out;
 3. worker outputs (`StepOutputs`) are detokenized and streamed to the client,
@@ -25,6 +25,10 @@ the session's next request or draft is routed to that worker.
 
 On shutdown the gateway stops admitting, lets open requests finish for up to
 the drain timeout, then ends the rest with an error.
+
+The gateway is the one actor of the client plane, so this module holds the dispatch of every
+message it takes, which is why it is long; the work each message starts lives in the modules it names
+(request_intake.py, request_table.py, the draft book, the warmups).
 """
 
 import asyncio
@@ -42,7 +46,6 @@ from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.model_loader import load_tokenizer
 from pdrt.errors import (
-    DuplicateRequestError,
     MailboxFullError,
     PdrtError,
     RequestTimeoutError,
@@ -54,8 +57,9 @@ from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.gateway_request import new_internal_id
 from pdrt.roles.messaging import WORKER_ROLES, Inbox, Outbox
-from pdrt.roles.prompt_renderer import PromptRenderer, text_chars
-from pdrt.roles.prompt_renders import INLINE_CHARS, PromptRenders, Rendered
+from pdrt.roles.prompt_renderer import PromptRenderer
+from pdrt.roles.prompt_renders import PromptRenders, Rendered
+from pdrt.roles.request_intake import RequestIntake
 from pdrt.roles.request_table import RequestTable
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_book import DraftBook
@@ -83,7 +87,6 @@ from pdrt.wire import (
     RequestFailed,
     Status,
     StepOutputs,
-    Tokens,
     Warmup,
     Withdrawn,
     WorkerInfo,
@@ -143,6 +146,7 @@ class Gateway(Actor):
                                self.router, self.outbox, role, self._new_id, self.counters)
         self.table = RequestTable(config, self.tokenizer, self.router, self.outbox, self.inbox.address, self.drafts,
                                   self.warmups, self._reply_all, process_id)
+        self.intake = RequestIntake(self.prompts, self.renders, self.table, self.drafts, self.warmups, self._reply)
         self.warmup_listener: WarmupListener | None = None
         if config.warmup.key:
             guard = WarmupGuard(config.warmup.key.encode(), self.model_name, x.warmup_max_age_s)
@@ -296,28 +300,12 @@ class Gateway(Actor):
             return PdrtError(f"the gateway failed on this message: {exc!r}")
         return None
 
-    def _cancel(self, identity: bytes, request_id: str) -> None:
-        if self.renders.cancel(identity, request_id):  # still being tokenized: it ends here and now
-            self._reply(identity, Tokens(request_id, [], finished=True, finish_reason="cancelled"))
-        else:
-            self.table.cancel(identity, request_id)
-
-    def _check_new(self, identity: bytes, request_id: str, timeout_s: float | None) -> None:
-        """Raise the reason a new request `request_id` cannot open now."""
-        if (identity, request_id) in self.renders:
-            raise DuplicateRequestError(f"request {request_id!r} is already open")
-        self.table.check_admission(identity, request_id, timeout_s, len(self.renders))
-
-    def _rendered(self, rendered: Rendered) -> None:
-        """A large prompt is tokenized: its request goes on (or ends with the render's error)."""
-        rendered.then(rendered.result if self.renders.finish(rendered) else None)
-
     def _client_request(self, identity: bytes, message: object) -> None:
         match message:
             case Generate():
-                self._generate(identity, message)
+                self.intake.generate(identity, message)
             case Cancel(request_id=request_id):
-                self._cancel(identity, request_id)
+                self.intake.cancel(identity, request_id)
             case GetStatus():
                 self._reply(identity, self.status())
             case Warmup(session_id=session_id):
@@ -331,13 +319,13 @@ class Gateway(Actor):
             case DraftOpen(session_id=session_id):
                 self.drafts.open(identity, message, self.warmups.worker_for(session_id))
             case DraftSubmit():
-                self._submit(identity, message)
+                self.intake.submit(identity, message)
             case DraftAbandon(draft_id=draft_id):
                 self.drafts.abandon(identity, draft_id)
             case DraftText(draft_id=draft_id, text=text):
                 self.drafts.set_text(identity, draft_id, text)
             case Rendered():
-                self._rendered(message)
+                self.intake.rendered(message)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -349,61 +337,6 @@ class Gateway(Actor):
         while len(self.handshaken) > MAX_CLIENTS:
             self.handshaken.popitem(last=False)
         self._reply(identity, Ready(PROTOCOL_VERSION, self.process_id, self.model_name, self.max_model_len))
-
-    def _generate(self, identity: bytes, message: Generate) -> None:
-        self._check_new(identity, message.request_id, message.timeout_s)
-        num_chars = text_chars(message)
-        self.prompts.check_chars(num_chars)
-
-        def then(result: list[int] | PdrtError | None) -> None:
-            if isinstance(result, PdrtError):
-                raise result
-            if result is not None:  # None: cancelled, or its client left, while it rendered
-                self._open_generate(identity, message, result)
-
-        if num_chars <= INLINE_CHARS:
-            then(self.prompts.render(message))
-        else:
-            self.renders.start(identity, message.request_id, lambda renderer: renderer.render(message), then)
-
-    def _open_generate(self, identity: bytes, message: Generate, ids: list[int]) -> None:
-        req = self.table.admit(identity, message.request_id, ids, message.params, message.stream, message.timeout_s)
-        if message.session_id and message.messages is not None:
-            req.session_id = message.session_id
-            req.messages = [{"role": m.role, "content": m.content} for m in message.messages]
-        req.preferred = self.warmups.worker_for(message.session_id)
-        self.table.open(req)
-
-    def _submit(self, identity: bytes, message: DraftSubmit) -> None:
-        draft = self.drafts.take(identity, message.draft_id)
-
-        def then(result: list[int] | PdrtError | None) -> None:
-            try:
-                if isinstance(result, PdrtError):
-                    raise result
-                if result is None:  # cancelled, or its client left, while it rendered
-                    self.drafts.drop(draft, "drafts_abandoned")
-                    return
-                req = self.table.admit(identity, message.request_id, self.prompts.check(result), message.params,
-                                       message.stream, message.timeout_s)
-            except PdrtError:
-                self.drafts.drop(draft, "drafts_failed")
-                raise
-            if draft.messages is not None:
-                req.session_id = draft.session_id
-                req.messages = [*draft.messages, {"role": "user", "content": draft.text}]
-            self.table.open(req, draft)
-
-        try:
-            self._check_new(identity, message.request_id, message.timeout_s)
-        except PdrtError:
-            self.drafts.drop(draft, "drafts_failed")
-            raise
-        if draft.tokens.num_chars <= INLINE_CHARS:
-            then(draft.tokens.final_ids())
-        else:
-            self.renders.start(identity, message.request_id,
-                               lambda renderer: renderer.check(draft.tokens.final_ids(renderer.tokenizer)), then)
 
     def status(self) -> Status:
         workers = [WorkerStatus(w.process_id, w.role, True, w.load) for w in self.router.workers.values()]

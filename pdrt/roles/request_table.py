@@ -5,6 +5,9 @@ its worker, or past its deadline — with one final frame to its client. A
 request is known by the client's id to the client and by an *attempt id* to
 the workers; a retry (its worker died before it produced a token) is a new
 attempt, so that late outputs of the old one are recognized and ignored.
+
+Long on purpose: every request's life, from admission to its one end, is in this one place; the
+decisions about where a prompt is prefilled are the LocalPrefill policy's (local_prefill.py).
 """
 
 import time

@@ -22,6 +22,8 @@ well-formed ones, and HTTP requests left without a response), the
 sentinel's requests that failed or changed (lost), handshakes that succeeded
 without the key (unauthenticated_accepted), HTTP 5xx answers, and the growth
 of the node's resident memory.
+
+Long because every port's driver is here, so that the test and the benchmark share them.
 """
 
 import json
