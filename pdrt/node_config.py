@@ -133,6 +133,7 @@ class Experimental(_Table):
 
     # Gateway: the request deadline, the drain on shutdown, and open drafts.
     request_timeout_s: Seconds = 600.0
+    unrouted_wait_s: Seconds = 30.0  # how long a request waits for a worker when none can take it (a restart)
     drain_timeout_s: Seconds = 10.0
     max_drafts: Positive = 1024
     # Conditional disaggregation (pdrt/roles/local_prefill.py): a prompt of at most local_prefill_max_tokens

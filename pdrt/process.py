@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -28,7 +29,7 @@ import zmq.asyncio
 
 from pdrt.actors.loop import run
 from pdrt.cpu_placement import allowed_cores, cores_for, pin
-from pdrt.errors import ConfigError, PdrtError
+from pdrt.errors import ConfigError, ModelLoadError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
 from pdrt.node_config import NodeConfig, role_of, with_secrets
 from pdrt.priority import CatchUp, take_priority
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from pdrt.roles.engine_worker import EngineWorker
 
 log = structlog.get_logger(__name__)
+
+EXIT_PERMANENT = 2  # an error that a restart cannot mend: the config, or a model that cannot load
 
 
 def _role(name: str) -> str:
@@ -91,7 +94,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = zmq.asyncio.Context()
-    incarnation = uuid.uuid4().hex[:8]
+    incarnation = os.environ.get("PDRT_INCARNATION") or uuid.uuid4().hex[:8]  # the supervisor's, to report exits
     role = _role(name)
     if role != "controller":
         quiet_transformers()
@@ -116,6 +119,16 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
     log.info("process stopped", process=name)
 
 
+def _leave_cause(name: str, cause: str) -> None:
+    """Write why this process cannot start where its supervisor reads it (the run directory), if it has one."""
+    run_dir = os.environ.get("PDRT_RUN_DIR")
+    if run_dir:
+        try:
+            Path(run_dir, f"{name}.failure").write_text(cause)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -131,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "rb") as f:
             config = with_secrets(NodeConfig.from_json(f.read()))  # PDRT_WARMUP_KEY, PDRT_API_KEY, ...
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
-    except ConfigError as exc:  # retrying cannot help (systemd's units do not retry exit status 2)
+    except (ConfigError, ModelLoadError) as exc:  # retrying cannot help (neither pdrt up nor systemd retries 2)
         log.error("process cannot start", process=name, code=exc.code, error=str(exc))
-        return 2
+        _leave_cause(name, f"{exc.code}: {exc}")
+        return EXIT_PERMANENT
     except PdrtError as exc:
         log.error("process failed", process=name, code=exc.code, error=str(exc))
         return 1

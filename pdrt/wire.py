@@ -275,9 +275,11 @@ class WorkerInfo(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class ClusterView(msgspec.Struct, **_struct("cluster_view")):
-    """The live workers, sent to every gateway after each change and periodically."""
+    """The live workers, sent to every gateway after each change and periodically. Not `complete` while a
+    restarted controller is still learning the cluster: a worker missing from it is not gone."""
 
     workers: list[WorkerInfo]
+    complete: bool = True
 
 
 class ProcessLost(msgspec.Struct, **_struct("process_lost")):
@@ -287,9 +289,17 @@ class ProcessLost(msgspec.Struct, **_struct("process_lost")):
     incarnation: str
 
 
+class ProcessExited(msgspec.Struct, **_struct("process_exited")):
+    """Supervisor -> controller: a child of it exited. Its parent knows at once; the lease would take seconds."""
+
+    process_id: str
+    incarnation: str
+
+
 class PrefillRequest(msgspec.Struct, **_struct("prefill")):
     """Gateway -> prefill (or colocated) worker. `decode_address` is empty for a colocated worker; `decode_id`
-    names the decode worker, the only one that may pull the request's KV."""
+    names the decode worker, the only one that may pull the request's KV. A continuation (a stream moved off
+    a worker that died) ends its `token_ids` with its `num_prior_outputs` outputs so far."""
 
     request_id: str
     token_ids: list[int]
@@ -297,6 +307,7 @@ class PrefillRequest(msgspec.Struct, **_struct("prefill")):
     reply_to: str  # the gateway's inbox
     decode_address: str = ""
     decode_id: str = ""
+    num_prior_outputs: int = 0
 
 
 class DraftUpdate(msgspec.Struct, **_struct("draft_update")):
@@ -344,6 +355,7 @@ class KVHandoff(msgspec.Struct, **_struct("kv_handoff")):
     block_ids: list[int]
     lease_expires_at: float
     first_logprob: float | None = None  # with `params.logprobs`: the first token's, which decode reports on
+    num_prior_outputs: int = 0  # a continuation's (PrefillRequest)
 
 
 class KVAck(msgspec.Struct, **_struct("kv_ack")):
@@ -403,9 +415,9 @@ class MetricsView(msgspec.Struct, **_struct("metrics_view")):
     exposition: bytes
 
 
-InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | PrefillRequest
-                   | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | Withdraw | Withdrawn | StepOutputs
-                   | RequestFailed | Error | MetricsReport | MetricsView)
+InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | ProcessExited
+                   | PrefillRequest | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | Withdraw | Withdrawn
+                   | StepOutputs | RequestFailed | Error | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)
 client_reply_decoder = msgspec.msgpack.Decoder(ClientReply)

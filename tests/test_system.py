@@ -132,28 +132,30 @@ def test_the_decode_worker_runs_on_a_core_of_its_own_and_every_other_process_on_
                      "controller": {frozenset(rest)}}
 
 
-def test_kill_9_of_the_decode_worker_ends_its_requests_within_5_s_and_it_is_restarted(node, client, prompts,
-                                                                                     references):
-    params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
-    for i in range(4):
-        client.send(Generate(f"k{i}", token_ids=prompts[i + 4], params=params))
-    started: set[str] = set()
-    while len(started) < 4:
+def test_kill_9_of_the_only_decode_worker_moves_its_streams_to_the_restarted_one_with_the_same_output(
+        node, client, prompts, references):
+    params = SamplingParams(temperature=0, max_tokens=400)
+    batch = [prompts[i + 4] for i in range(4)]
+    for i, prompt in enumerate(batch):
+        client.send(Generate(f"k{i}", token_ids=prompt, params=params))
+    tokens: dict[str, list[int]] = {f"k{i}": [] for i in range(4)}
+    while not all(tokens.values()):
         reply = client.recv()
         assert isinstance(reply, Tokens)
-        started.add(reply.request_id)
+        tokens[reply.request_id] += reply.token_ids
     old_pid = node.child_pids()["decode-0"]
     os.kill(old_pid, 9)
-    killed_at = time.monotonic()
-    ended: dict[str, object] = {}
+    ended: dict[str, Tokens] = {}
     while len(ended) < 4:
-        reply = client.recv(timeout_s=10)
-        if isinstance(reply, Error) or reply.finished:
+        reply = client.recv(timeout_s=60)
+        assert isinstance(reply, Tokens), reply
+        tokens[reply.request_id] += reply.token_ids
+        if reply.finished:
             ended[reply.request_id] = reply
-    assert time.monotonic() - killed_at < 5.0
-    assert all(isinstance(r, Error) and r.code == "worker_lost" for r in ended.values())
-    wait_for(lambda: node.child_pids().get("decode-0", old_pid) != old_pid, timeout_s=10)
-    wait_for(lambda: "decode-0" in used_blocks(node), timeout_s=60, interval_s=0.2)
+    assert node.child_pids()["decode-0"] != old_pid
+    for i, prompt in enumerate(batch):
+        assert tokens[f"k{i}"] == references["llama"].greedy(prompt, 400), f"stream {i}"
+    wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=10)
     assert client.generate_many([prompts[5]], GREEDY)["r0"] == references["llama"].greedy(prompts[5])
 
 

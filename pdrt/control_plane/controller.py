@@ -9,8 +9,15 @@ Life cycle of a process in the controller:
    a heartbeat from an incarnation the controller does not know gets
    `Error(code="unknown_process")`, and the process registers again (this is
    how processes recover from a controller restart);
-3. a lease that runs out, or a `Goodbye`, removes the process; gateways get
-   `ProcessLost` for a lost one and a fresh `ClusterView` either way.
+3. a lease that runs out, a `ProcessExited` from the process's supervisor
+   (its parent, which sees it exit at once), or a `Goodbye`, removes the
+   process; gateways get `ProcessLost` for a lost one and a fresh
+   `ClusterView` either way.
+
+A restarted controller knows nobody: for one lease it learns the cluster
+from the processes that register again (they do when a heartbeat is
+answered with `unknown_process`), declares nobody lost, and sends gateways
+views marked incomplete, from which they drop nobody.
 
 Gateways also get the `ClusterView` every heartbeat period, so their view of
 the load is never older than that.
@@ -47,6 +54,7 @@ from pdrt.wire import (
     Heartbeat,
     MetricsReport,
     MetricsView,
+    ProcessExited,
     ProcessLost,
     Register,
     Registered,
@@ -69,6 +77,7 @@ class Controller(Actor):
     def __init__(self, config: NodeConfig, ctx: zmq.asyncio.Context) -> None:
         self.heartbeat_s = config.experimental.heartbeat_s
         self.registry = Registry(config.experimental.lease_s)
+        self.recovering_until = time.monotonic() + config.experimental.lease_s
         self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True, key=config.key))
         self.metrics = MetricsAggregator(self.registry)
         self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)
@@ -81,7 +90,7 @@ class Controller(Actor):
             log.debug("controller could not reach a process", identity=identity, error=str(exc))
 
     def _broadcast_view(self) -> None:
-        view = ClusterView(self.registry.workers())
+        view = ClusterView(self.registry.workers(), complete=time.monotonic() >= self.recovering_until)
         for gateway in self.registry.by_role("gateway"):
             self._send(gateway.identity, view)
 
@@ -93,8 +102,9 @@ class Controller(Actor):
     async def on_receive(self, message: object) -> None:
         match message:
             case Tick():
-                for entry in self.registry.expire():
-                    self._lost(entry, "lease expired")
+                if time.monotonic() >= self.recovering_until:
+                    for entry in self.registry.expire():
+                        self._lost(entry, "lease expired")
                 self._broadcast_view()
                 self._forward_metrics()
             case FromPeer(identity=identity, message=request):
@@ -110,6 +120,12 @@ class Controller(Actor):
                 self._send(gateway.identity, view)
 
     def handle(self, identity: bytes, message: object) -> None:
+        if isinstance(message, ProcessExited):  # from its supervisor, for a child that exited
+            entry = self.registry.remove(message.process_id, message.incarnation)
+            if entry is not None:
+                self._lost(entry, "exited")
+                self._broadcast_view()
+            return
         if not isinstance(message, SPOKEN_FOR_ONESELF):
             log.warning("controller ignored a message", message=type(message).__name__)
             return

@@ -88,8 +88,9 @@ class ControllerLink:
                 self.heartbeat_s = message.heartbeat_s
                 self.registered.set()
             elif isinstance(message, Error) and message.code == "unknown_process":
-                log.warning("the controller does not know this process; registering again")
-                self._register()
+                if self.registered.is_set():  # one registration, however many heartbeats it answers
+                    log.warning("the controller does not know this process; registering again")
+                    self.registered.clear()
             elif isinstance(message, Error):
                 log.error("the controller refused this process", code=message.code, error=message.message)
             elif self.on_message is not None:

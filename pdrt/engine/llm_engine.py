@@ -96,21 +96,27 @@ class LLMEngine:
     # -- request creation -------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      mode: SequenceMode, prompt_is_final: bool = True) -> Sequence:
-        """Validate a request completely, so that nothing about it can fail later."""
+                      mode: SequenceMode, prompt_is_final: bool = True, num_prior_outputs: int = 0) -> Sequence:
+        """Validate a request completely, so that nothing about it can fail later.
+
+        A continuation's last `num_prior_outputs` prompt tokens are the outputs it produced before it moved
+        here: it samples and stops as if it had never moved (`Sequence.num_prior_outputs`)."""
         if request_id in self.sequences:
             raise DuplicateRequestError(f"request {request_id!r} already exists")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
         num_prompt = len(prompt_token_ids)
-        self._check_prompt(prompt_token_ids, num_prompt, num_prompt + params.max_tokens)
+        if not 0 <= num_prior_outputs < min(num_prompt, params.max_tokens):
+            raise InvalidRequestError(f"a continuation of {num_prompt} tokens with max_tokens {params.max_tokens} "
+                                      f"cannot carry {num_prior_outputs} outputs")
+        self._check_prompt(prompt_token_ids, num_prompt, num_prompt + params.max_tokens - num_prior_outputs)
         if params.stop and self.tokenizer is None:
             raise InvalidSamplingParamsError("stop strings need a tokenizer, and this model has none")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be < {self.vocab_size}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, mode,
-                       prompt_is_final)
+                       prompt_is_final, num_prior_outputs=num_prior_outputs)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         return seq
@@ -128,15 +134,19 @@ class LLMEngine:
                 f"the request may need {needed} KV blocks and this worker's pool has "
                 f"{self.block_manager.num_blocks} ({self.capacity_tokens} tokens); lower max_tokens")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    num_prior_outputs: int = 0) -> None:
         """Colocated: prefill and decode here."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.COLOCATED)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.COLOCATED,
+                                 num_prior_outputs=num_prior_outputs)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    num_prior_outputs: int = 0) -> None:
         """Prefill-only: compute the prompt KV and the first token, then hold the blocks."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.PREFILL_ONLY)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.PREFILL_ONLY,
+                                 num_prior_outputs=num_prior_outputs)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -220,13 +230,15 @@ class LLMEngine:
         del self.sequences[request_id]
 
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                       params: SamplingParams, first_logprob: float | None = None) -> ImportReservation:
+                       params: SamplingParams, first_logprob: float | None = None,
+                       num_prior_outputs: int = 0) -> ImportReservation:
         """Decode from imported KV: reserve blocks for the prompt; cached prefix blocks need no filling.
 
         With `params.logprobs`, `first_logprob` is the first token's (the prefill worker reported it), so that
         the outputs here carry one log-probability per token as a colocated request's do.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.IMPORTED)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, SequenceMode.IMPORTED,
+                                 num_prior_outputs=num_prior_outputs)
         if not (0 <= first_token_id < self.vocab_size):
             raise InvalidRequestError(f"first token id must be in [0, {self.vocab_size})")
         if params.logprobs and first_logprob is None:
@@ -326,8 +338,7 @@ class LLMEngine:
             if stop_reason is not None:
                 reason = FinishReason.STOP
         num_tokens = len(seq.token_ids)
-        if reason is None and (num_tokens - seq.num_prompt_tokens >= params.max_tokens
-                               or num_tokens >= self.max_model_len):
+        if reason is None and (seq.output_index >= params.max_tokens or num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             seq.stop_reason = stop_reason

@@ -68,6 +68,6 @@ class Sampler:
         noise = torch.empty_like(probs)
         generator = torch.Generator(device=logits.device)
         for row, seq in enumerate(seqs):
-            generator.manual_seed(draw_seed(seq.seed, seq.num_output_tokens))
+            generator.manual_seed(draw_seed(seq.seed, seq.output_index))
             noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)

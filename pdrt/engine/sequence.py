@@ -56,6 +56,9 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     draft_is_idle: bool = False  # a draft whose typist paused: its pending tokens go in any chunk size
     queued_at_work: int = 0  # the scheduler's work_done (tokens computed) when it was queued
+    # A continuation (a request moved here after its worker died) carries its outputs so far at the end of its
+    # prompt: they count as outputs for its sampling and its max_tokens, so it goes on as if never moved.
+    num_prior_outputs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_index(self) -> int:
+        """The index of the next output token in the request's whole output, continuations included."""
+        return self.num_prior_outputs + self.num_output_tokens
 
     @property
     def is_draft(self) -> bool:

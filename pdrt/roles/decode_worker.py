@@ -89,7 +89,7 @@ class DecodeWorker(EngineWorker):
         rid = handoff.request_id
         try:
             reservation = self.engine.reserve_import(rid, handoff.token_ids, handoff.first_token, handoff.params,
-                                                     handoff.first_logprob)
+                                                     handoff.first_logprob, handoff.num_prior_outputs)
         except KVPoolFullError:
             self.waiting_imports.append(handoff)
             return

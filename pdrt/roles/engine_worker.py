@@ -41,7 +41,7 @@ from pdrt.actors.actor import Actor, ActorRef
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
-from pdrt.errors import PdrtError
+from pdrt.errors import KVPoolFullError, PdrtError, TransferError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Inbox, Outbox, Senders
@@ -53,6 +53,7 @@ from pdrt.worker_profile import log_profile, worker_profile
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5
+RETRYABLE = (TransferError, KVPoolFullError)  # failures of this worker, not of the request
 # A draft without an update for this long belongs to a typist who paused (to
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
@@ -112,12 +113,16 @@ class EngineWorker(Actor):
         """Prefill and decode `request` here (a colocated worker's requests; a decode worker's local prefills)."""
         rid = request.request_id
         self.reply_to[rid] = request.reply_to
-        self.queue_op(rid, lambda: self.engine.add_request(rid, request.token_ids, request.params))
+        self.queue_op(rid, lambda: self.engine.add_request(rid, request.token_ids, request.params,
+                                                           request.num_prior_outputs))
 
-    def fail(self, request_id: str, exc: PdrtError, retryable: bool = False) -> None:
+    def fail(self, request_id: str, exc: PdrtError) -> None:
+        """End `request_id` here with `exc`; the gateway tries it on other workers when this worker's failure is
+        no fault of the request (its KV did not arrive, this worker's pool stayed full)."""
         reply_to = self.reply_to.pop(request_id, None)
         log.info("request failed", request_id=request_id, code=exc.code, error=str(exc))
         if reply_to is not None:
+            retryable = isinstance(exc, RETRYABLE)
             self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), retryable, self.process_id))
 
     # -- drafts ---------------------------------------------------------------------

@@ -228,8 +228,8 @@ class Gateway(Actor):
                 self.table.withdrawn(message)
             case Warmup(session_id=session_id):
                 self.warmups.warm(session_id)
-            case ClusterView(workers=workers):
-                for worker in self.router.update(workers):
+            case ClusterView(workers=workers, complete=complete):
+                for worker in self.router.update(workers, complete):
                     self._worker_lost(worker)
                 self.table.route_waiting()
             case ProcessLost(process_id=process_id, incarnation=incarnation):

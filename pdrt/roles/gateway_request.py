@@ -39,6 +39,9 @@ class GatewayRequest:
     detokenizer: IncrementalDetokenizer | None
     internal_id: str = ""  # changes with every attempt, so late outputs of an abandoned attempt are ignored
     attempt: int = 0
+    num_attempt_tokens: int = 0  # tokens the current attempt produced
+    migrations: int = 0  # times the request went on elsewhere after its worker died with its output begun
+    unrouted_at: float = 0.0  # when it last began to wait for a worker that can take it
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -75,8 +78,13 @@ class GatewayRequest:
         return self._block_keys
 
     @property
-    def has_tokens(self) -> bool:
-        return bool(self.token_ids)
+    def awaits_first_token(self) -> bool:
+        """Whether the current attempt has produced nothing yet: its prompt is still being prefilled."""
+        return self.num_attempt_tokens == 0
+
+    def route_token_ids(self) -> list[int]:
+        """What a worker computes for a new attempt: the prompt, and the output so far (a continuation)."""
+        return self.prompt_token_ids + self.token_ids if self.token_ids else self.prompt_token_ids
 
     def workers(self) -> list[WorkerInfo]:
         return [w for w in (self.prefill, self.decode) if w is not None]
@@ -89,6 +97,7 @@ class GatewayRequest:
         """Take a worker's output; returns the frame to send (if any) and whether the request ended."""
         if not self.token_ids:
             self.num_cached_tokens = out.num_cached_tokens
+        self.num_attempt_tokens += len(out.new_token_ids)
         finished, reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
         for i, token in enumerate(out.new_token_ids):
             self.token_ids.append(token)

@@ -165,13 +165,13 @@ class LocalPrefill:
         """
         backlog = 0
         for other in self.requests.values():
-            if other.has_tokens or other.prefill is None:
+            if not other.awaits_first_token or other.prefill is None:
                 continue
             if other.prefill.process_id == prefill.process_id:
-                backlog += len(other.prompt_token_ids)
+                backlog += len(other.route_token_ids())
             elif other.prefill.process_id == decode.process_id:
                 return False  # its local prefill is still running
-        if not self.rules.may_prefill_on_decode(len(req.prompt_token_ids), backlog, decode.load):
+        if not self.rules.may_prefill_on_decode(len(req.route_token_ids()), backlog, decode.load):
             return False
         rate = prefill.load.prefill_tokens_per_s
         return rate <= 0.0 or self.seconds_on_decode(req, decode, rate, now) is not None
@@ -189,7 +189,7 @@ class LocalPrefill:
                 others.append(other)
             elif other.decode is None and other.prefill.process_id == decode.process_id:
                 others.append(other)
-                local_tokens += 0 if other.has_tokens else len(other.prompt_token_ids)
+                local_tokens += len(other.route_token_ids()) if other.awaits_first_token else 0
         seconds = (local_tokens + self.uncached_tokens(req, decode.process_id)) / (
             decode.load.prefill_tokens_per_s or prefill_rate)
         if others and not stall_fits(others, seconds, decode.load.decode_step_s, self.rules.tpot_bound(decode.load),
@@ -199,7 +199,7 @@ class LocalPrefill:
 
     def uncached_tokens(self, req: GatewayRequest, process_id: str) -> int:
         """The tokens of `req`'s prompt that worker `process_id` would compute: those past the prefix it holds."""
-        return len(req.prompt_token_ids) - self.prefixes.cached_tokens(process_id, req.block_keys(self.prefixes))
+        return len(req.route_token_ids()) - self.prefixes.cached_tokens(process_id, req.block_keys(self.prefixes))
 
     def move(self, now: float, withdraw: Callable[[GatewayRequest], bool]) -> None:
         """Off each prefill worker's queue, ask back (`withdraw`, True once asked) the prompt `prompt_to_move`
@@ -209,7 +209,7 @@ class LocalPrefill:
             return
         queues: defaultdict[str, dict[str, GatewayRequest]] = defaultdict(dict)  # prefill worker -> prompts there
         for req in self.requests.values():
-            if not req.has_tokens and req.prefill is not None and req.decode is not None:
+            if req.awaits_first_token and req.prefill is not None and req.decode is not None:
                 queues[req.prefill.process_id][req.internal_id] = req
         taken: set[str] = set()  # decode workers asked to take a prompt this tick
 

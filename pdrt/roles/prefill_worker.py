@@ -102,7 +102,7 @@ class PrefillWorker(EngineWorker):
                 return  # withdrawn or aborted before it was added
             self.unadded.discard(rid)
             try:
-                self.engine.add_prefill(rid, request.token_ids, request.params)
+                self.engine.add_prefill(rid, request.token_ids, request.params, request.num_prior_outputs)
             except Exception:
                 self.requests.pop(rid, None)
                 self.arrived.pop(rid, None)
@@ -156,7 +156,7 @@ class PrefillWorker(EngineWorker):
             self.outbox.send(request.decode_address, KVHandoff(
                 out.request_id, request.token_ids, out.new_token_ids[0], request.params, request.reply_to,
                 self.inbox.address, self.source.descriptor, out.kv_block_ids, deadline,
-                out.new_logprobs[0] if out.new_logprobs else None))
+                out.new_logprobs[0] if out.new_logprobs else None, request.num_prior_outputs))
 
     def _measure_load(self) -> Load:
         """The load, with the queue's account for the gateways' moves of late prompts, remade whenever the load

@@ -10,6 +10,7 @@ Long on purpose: every request's life, from admission to its one end, is in this
 decisions about where a prompt is prefilled are the LocalPrefill policy's (local_prefill.py).
 """
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from pdrt.wire import (
 log = structlog.get_logger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_MIGRATIONS = 3  # a request whose workers keep dying ends rather than moving on for ever
 
 
 class RequestTable:
@@ -61,6 +63,7 @@ class RequestTable:
                  process_id: str) -> None:
         self.max_open_requests = config.gateway.max_open_requests
         self.request_timeout_s = config.experimental.request_timeout_s
+        self.unrouted_wait_s = config.experimental.unrouted_wait_s
         self.tokenizer = tokenizer
         self.router = router
         self.outbox = outbox
@@ -98,12 +101,14 @@ class RequestTable:
               timeout_s: float | None) -> GatewayRequest:
         self.check_admission(identity, request_id, timeout_s)
         deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
+        if params.seed is None:  # one seed for every attempt: a stream that moves samples on as it would have
+            params = msgspec.structs.replace(params, seed=random.getrandbits(63))
         return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
 
     def open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
         self.by_client[(req.identity, req.request_id)] = req
         if not self._route(req, draft):
-            self.unrouted.append(req)
+            self._wait_for_worker(req)
 
     # -- routing --------------------------------------------------------------------------
 
@@ -141,6 +146,7 @@ class RequestTable:
             prefill, decode = local_on, None  # the decode worker prefills and decodes it, as a colocated one would
             self.metrics.prefills_on_decode.inc()
         req.attempt += 1
+        req.num_attempt_tokens, req.early_decode_outputs = 0, []
         req.internal_id = draft.internal_id if held else new_internal_id(self.process_id)
         req.prefill, req.decode, req.pinned = prefill, decode, held
         self.requests[req.internal_id] = req
@@ -151,9 +157,9 @@ class RequestTable:
         if held:
             message = DraftSubmitted(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
                                      decode_address, decode_id)
-        else:
-            message = PrefillRequest(req.internal_id, req.prompt_token_ids, req.params, self.inbox_address,
-                                     decode_address, decode_id)
+        else:  # a continuation when the request has output already: the workers go on from it
+            message = PrefillRequest(req.internal_id, req.route_token_ids(), req.params, self.inbox_address,
+                                     decode_address, decode_id, len(req.token_ids))
         if not self.outbox.send(prefill.address, message):  # the worker's queue is full: try again later
             self._detach(req, abort=False)
             return False
@@ -164,6 +170,10 @@ class RequestTable:
                  prompt_tokens=len(req.prompt_token_ids), prefill=prefill.process_id,
                  decode=decode.process_id if decode else None, from_draft=held, prefilled_on_decode=local)
         return True
+
+    def _wait_for_worker(self, req: GatewayRequest) -> None:
+        req.unrouted_at = time.monotonic()
+        self.unrouted.append(req)
 
     def route_waiting(self) -> None:
         for _ in range(len(self.unrouted)):
@@ -199,7 +209,7 @@ class RequestTable:
         self.metrics.prefills_moved.inc()
         local_on = decode if decode is not None and self.router.is_live(decode) else None
         if not self._route(req, local_on=local_on):
-            self.unrouted.append(req)
+            self._wait_for_worker(req)
 
     def _detach(self, req: GatewayRequest, abort: bool) -> None:
         """Forget the current attempt of `req`; with `abort`, tell its live workers to drop it."""
@@ -227,11 +237,23 @@ class RequestTable:
         self.end(req, Error(error.code, str(error), req.request_id), abort=True)
 
     def _retry(self, req: GatewayRequest) -> None:
+        """Send `req` again on live workers: a new attempt. With output begun it is a continuation (a migration):
+        its prompt and its output so far, from which the workers go on as if nothing had happened; after
+        MAX_MIGRATIONS of those it ends with `worker_lost`."""
+        if req.token_ids:
+            if req.migrations >= MAX_MIGRATIONS:
+                self.fail(req, WorkerLostError(f"the request's workers died {req.migrations + 1} times after it had "
+                                               "produced tokens"))
+                return
+            req.migrations += 1
+            self.metrics.migrations.inc()
+            log.warning("migrating a request", request_id=req.internal_id, client_request_id=req.request_id,
+                        output_tokens=len(req.token_ids), migration=req.migrations)
         self._detach(req, abort=True)
         log.info("retrying a request", request_id=req.internal_id, client_request_id=req.request_id,
                  attempt=req.attempt + 1)
         if not self._route(req):
-            self.unrouted.append(req)
+            self._wait_for_worker(req)
 
     # -- worker messages -----------------------------------------------------------------
 
@@ -265,7 +287,7 @@ class RequestTable:
 
     def _output(self, req: GatewayRequest, out: RequestOutput, process_id: str) -> None:
         from_decode = req.decode is not None and process_id == req.decode.process_id
-        if from_decode and not req.has_tokens:
+        if from_decode and req.awaits_first_token:
             req.early_decode_outputs.append(out)  # overtook the prefill worker's first token
             return
         self._take(req, out)
@@ -277,7 +299,7 @@ class RequestTable:
 
     def _take(self, req: GatewayRequest, out: RequestOutput) -> None:
         self.metrics.tokens(req, len(out.new_token_ids))
-        if not req.has_tokens and req.decode is not None:  # its KV goes to the decode worker now
+        if req.awaits_first_token and req.decode is not None:  # its KV goes to the decode worker now
             self.prefixes.remember(req.decode.process_id, req.block_keys(self.prefixes))
         frame, finished = req.add(out)
         if finished:
@@ -291,7 +313,7 @@ class RequestTable:
         req = self.requests.get(message.request_id)
         if req is None or not req.runs_on(message.process_id):
             return
-        if message.retryable and not req.has_tokens:
+        if message.retryable:
             self._retry(req)
         else:
             self.end(req, Error(message.code, message.message, req.request_id), abort=True)
@@ -302,11 +324,10 @@ class RequestTable:
             if not any(w.process_id == worker.process_id and w.incarnation == worker.incarnation
                        for w in req.workers()):
                 continue
-            if not req.has_tokens:
+            if req.awaits_first_token or req.decode is None or req.decode.process_id == worker.process_id:
                 self._retry(req)
-            elif req.decode is None or req.decode.process_id == worker.process_id:
-                self.fail(req, WorkerLostError(f"{worker.process_id} died after the request had produced tokens"))
-            # else: the prefill worker died after its handoff; the decode worker carries on
+            # else: the prefill worker died after its first token; the decode worker has its KV, or fails the
+            # pull and the request goes on elsewhere (a retryable RequestFailed)
 
     # -- client actions and time ------------------------------------------------------------
 
@@ -320,10 +341,10 @@ class RequestTable:
     def expire(self) -> None:
         now = time.monotonic()
         for req in [r for r in self.by_client.values() if r.deadline < now]:
-            if req in self.unrouted:
-                self.fail(req, UnavailableError("no worker became available before the request's deadline"))
-            else:
+            if req not in self.unrouted:
                 self.fail(req, RequestTimeoutError("the request did not finish before its deadline"))
+        for req in [r for r in self.unrouted if r.deadline < now or r.unrouted_at + self.unrouted_wait_s < now]:
+            self.fail(req, UnavailableError(f"no worker could take the request within {self.unrouted_wait_s:g} s"))
 
     def forget_client(self, identity: bytes) -> None:
         """A client that cannot be reached any more: its requests end (workers told), nothing is sent."""

@@ -15,12 +15,15 @@ class Router:
         self.workers: dict[str, WorkerInfo] = {}
         self.open_requests: Counter[str] = Counter()  # process id -> requests of this gateway it holds
 
-    def update(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
-        """Take a new view; returns the workers that left it (or came back as a new incarnation)."""
+    def update(self, workers: list[WorkerInfo], complete: bool = True) -> list[WorkerInfo]:
+        """Take a new view; returns the workers that left it (or came back as a new incarnation). A view that is
+        not `complete` (a restarted controller's first) only adds and updates: a worker missing from it is not
+        gone."""
         new = {w.process_id: w for w in workers}
         gone = [w for pid, w in self.workers.items()
-                if pid not in new or new[pid].incarnation != w.incarnation]
-        self.workers = new
+                if (pid not in new and complete) or (pid in new and new[pid].incarnation != w.incarnation)]
+        self.workers = new if complete else {**{w.process_id: w for w in self.workers.values() if w not in gone},
+                                             **new}
         return gone
 
     def remove(self, process_id: str, incarnation: str) -> WorkerInfo | None:

@@ -11,6 +11,7 @@ every process reacting to the same SIGINT at the same time.
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ class Child:
         self.num_startup_crashes = 0
         self.backoff_s = policy.first_backoff_s
         self.restart_at: float | None = None
+        self.incarnation = ""  # of the running (or last) start: the controller knows the process by it
 
     @property
     def is_running(self) -> bool:
@@ -92,8 +94,10 @@ class Child:
 
     def start(self, now: float) -> None:
         # stdout goes to the supervisor's stderr: the supervisor's own stdout carries only the "ready" line.
-        self.proc = subprocess.Popen(self.command, env=self.env, stdin=subprocess.DEVNULL, stdout=2,
-                                     process_group=0, preexec_fn=_die_with_parent(os.getpid()))
+        self.incarnation = secrets.token_hex(4)
+        self.proc = subprocess.Popen(self.command, env={**self.env, "PDRT_INCARNATION": self.incarnation},
+                                     stdin=subprocess.DEVNULL, stdout=2, process_group=0,
+                                     preexec_fn=_die_with_parent(os.getpid()))
         self.started_at = now
         self.num_starts += 1
         self.restart_at = None

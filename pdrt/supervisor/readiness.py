@@ -108,6 +108,22 @@ def cluster_view(address: str, probe_id: str, key: ClusterKey | None, timeout_s:
         ctx.term()
 
 
+def report_exit(address: str, key: ClusterKey | None, reporter: str, process_id: str, incarnation: str,
+                timeout_s: float = 0.2) -> None:
+    """Tell the controller at `address` that `process_id`'s `incarnation` exited, at once rather than after its
+    lease; best effort: when the controller does not take it, the lease still runs out."""
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, SocketSpec(zmq.DEALER, address, bind=False, identity=reporter.encode(), key=key))
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.send(wire.encode(wire.ProcessExited(process_id, incarnation)))
+        sock.close(linger=int(timeout_s * 1000))
+    except zmq.ZMQError:
+        pass
+    finally:
+        ctx.term()
+
+
 def _first_view(sock: zmq.Socket, deadline: float) -> wire.ClusterView | str:
     """The first ClusterView the controller sends after the probe's registration, or what went wrong."""
     while True:

@@ -37,9 +37,10 @@ import structlog
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.node_config import NodeConfig
+from pdrt.process import EXIT_PERMANENT
 from pdrt.supervisor import leftovers
 from pdrt.supervisor.child import Child, RestartPolicy, describe_exit
-from pdrt.supervisor.readiness import check_controller, check_gateway
+from pdrt.supervisor.readiness import check_controller, check_gateway, report_exit
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +83,7 @@ class Supervisor:
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.children: list[Child] = []
+        self.run_dir: Path | None = None
         self.is_ready = False
         self.failure: str | None = None  # why the run ended badly, for people
         self._num_stop_requests = 0
@@ -125,7 +127,9 @@ class Supervisor:
         _write_private(run_dir / CLUSTER_KEY_FILE, self.config.cluster_key.encode() + b"\n")
         config_path = run_dir / "node.json"
         _write_private(config_path, self.config.to_json())
-        env = {**os.environ, "PDRT_NODE_CONFIG": str(config_path), "PDRT_RUN_ID": self.run_id}
+        env = {**os.environ, "PDRT_NODE_CONFIG": str(config_path), "PDRT_RUN_ID": self.run_id,
+               "PDRT_RUN_DIR": str(run_dir)}
+        self.run_dir = run_dir
         self.children = [Child(name, self.command_for(name), env, self.policy)
                          for name in self.config.process_names()]
         self._log.info("starting node", mode=self.config.mode, processes=[c.name for c in self.children],
@@ -167,18 +171,34 @@ class Supervisor:
         self._log.info("process started", process=child.name, pid=child.pid, start=child.num_starts)
 
     def _on_exit(self, child: Child, now: float) -> None:
+        if child.name != "controller":
+            report_exit(self.config.controller_address, self.config.key, f"supervisor-{self.run_id}", child.name,
+                        child.incarnation)
         status = describe_exit(child.proc.returncode)
         removed = leftovers.remove_segments(leftovers.process_prefix(self.run_id, child.name))
-        delay = child.schedule_restart(now)
+        permanent = child.proc.returncode == EXIT_PERMANENT
+        delay = None if permanent else child.schedule_restart(now)
         self._log.warning("process exited", process=child.name, pid=child.pid, status=status,
                           uptime_s=round(now - child.started_at, 3), removed_segments=removed)
-        if delay is None:
+        if permanent:
+            self.failure = f"{child.name} cannot start: {self._cause(child.name) or status}"
+            self._log.error("giving up", process=child.name, cause=self.failure)
+        elif delay is None:
             self.failure = (f"{child.name} crashed {child.num_startup_crashes} times in a row within "
                             f"{self.policy.stable_after_s:g} s of starting (last: {status}); giving up")
             self._log.error("giving up", process=child.name, crashes=child.num_startup_crashes)
         else:
             self._log.info("restarting process", process=child.name, delay_s=delay,
                            crashes=child.num_startup_crashes)
+
+    def _cause(self, name: str) -> str | None:
+        """Why process `name` said it cannot start, if it wrote it down (pdrt.process)."""
+        if self.run_dir is None:
+            return None
+        try:
+            return (self.run_dir / f"{name}.failure").read_text().strip() or None
+        except OSError:
+            return None
 
     def _check_ready(self) -> str | None:
         if self.config.gateway.enabled:
