@@ -62,6 +62,9 @@ class Generate(msgspec.Struct, **_struct("generate")):
     the whole request; the gateway's default applies when it is None. A chat
     request with a `session_id` is remembered (its messages and the answer),
     so that a warmup of that session can prefill the conversation so far.
+    `continuation` resumes a streamed request whose gateway was lost: the
+    tokens it had streamed so far, from which this gateway goes on (with the
+    same seed, the output equals an unbroken run's).
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class Generate(msgspec.Struct, **_struct("generate")):
     stream: bool = True
     timeout_s: float | None = None
     session_id: str = ""
+    continuation: list[int] | None = None
 
 
 class Cancel(msgspec.Struct, **_struct("cancel")):

@@ -15,15 +15,20 @@ Life of a request in this client:
    the timeout. The last frame (finished, or an `Error`) removes the queue.
    A caller that stops early (timeout, `aclose()`, leaving the loop) removes
    the queue at once and sends `Cancel`, so neither side keeps the request.
-5. `handshake_required` on a connection that said Hello means the gateway
-   restarted and lost what was open: the next call says Hello again, and a
-   request that had no reply yet is resent once (the new gateway never saw it).
+5. A gateway that is lost (its connection drops: the socket monitor says so
+   at once) or that answers `handshake_required` on a connection that said
+   Hello (it restarted) has lost what was open: the next call says Hello
+   again, a request that had no reply yet is resent once (the new gateway
+   never saw it), and a stream that had begun is resumed: the same request
+   with the tokens received so far as its `continuation`, so that it goes on
+   with the output it would have had (every request carries a seed).
 
 Long because the connection's whole life is here (handshake, one reader for every stream,
 reconnection after a gateway restart); streams and drafts are their own modules.
 """
 
 import asyncio
+import random
 import time
 import uuid
 from collections import deque
@@ -33,6 +38,7 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.client.async_draft import AsyncDraft
@@ -106,6 +112,8 @@ class AsyncClient:
         self.ready: Ready | None = None  # the server's handshake reply, once connected
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watcher: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
         self._requests: dict[str, asyncio.Queue[Reply]] = {}
         self._hello_waiters: deque[asyncio.Future] = deque()
@@ -129,7 +137,9 @@ class AsyncClient:
             if self._socket is None:
                 self._socket = make_socket(zmq.asyncio.Context.instance(),
                                            SocketSpec(zmq.DEALER, self.address, bind=False))
+                self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._reader = asyncio.create_task(self._read())
+                self._watcher = asyncio.create_task(self._watch())
             timeout = self.timeout_s if timeout_s is None else timeout_s
             try:
                 reply = await self._ask(self._hello_waiters, Hello(PROTOCOL_VERSION, self.name), timeout)
@@ -156,12 +166,16 @@ class AsyncClient:
                 waiter.set_exception(ClientClosedError("the client was closed"))
         self._hello_waiters.clear()
         self._status_waiters.clear()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
         if self._socket is not None:
             self._socket.close(linger=CLOSE_LINGER_MS)
 
@@ -240,11 +254,13 @@ class AsyncClient:
                           params: SamplingParams | None, stream: bool, session_id: str = "") -> Generate:
         if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
             raise InvalidRequestError("give exactly one of prompt, messages or token_ids")
+        params = params if params is not None else SamplingParams()
+        if params.seed is None:  # so that a stream resumed on another gateway samples on as it would have
+            params = msgspec.structs.replace(params, seed=random.getrandbits(63))
         return Generate(uuid.uuid4().hex, prompt=prompt,
                         messages=chat_messages(messages) if messages is not None else None,
                         token_ids=list(token_ids) if token_ids is not None else None,
-                        params=params if params is not None else SamplingParams(), stream=stream,
-                        session_id=session_id)
+                        params=params, stream=stream, session_id=session_id)
 
     async def _open(self, message: msgspec.Struct, reply_id: str | None = None) -> asyncio.Queue[Reply]:
         """Register a queue for the replies to `message` (under its request id, or `reply_id`), then send it."""
@@ -296,16 +312,28 @@ class AsyncClient:
                     continue
                 self._dispatch(reply)
 
+    async def _watch(self) -> None:
+        """The socket monitor: a dropped connection means the gateway is gone (or restarting)."""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and (self.ready is not None or self._requests):
+                log.warning("the connection to the gateway dropped", address=self.address)
+                self._forget_connection()
+
+    def _forget_connection(self) -> None:
+        """The gateway no longer knows this connection: whatever was sent on it is lost. The next call says Hello
+        again; each stream resends or resumes its request."""
+        self.ready = None
+        for queue in self._requests.values():
+            queue.put_nowait(ConnectionForgottenError(FORGOTTEN))
+        self._requests.clear()
+        while _resolve(self._status_waiters, ConnectionForgottenError(FORGOTTEN)):
+            pass
+
     def _dispatch(self, reply: Ready | Tokens | Error | Status) -> None:
         if isinstance(reply, Error) and reply.code == "handshake_required":
-            # The gateway no longer knows this connection (it restarted): whatever was sent on it is lost.
-            # The next call says Hello again; a request that got no reply yet is resent by its stream.
-            self.ready = None
-            for queue in self._requests.values():
-                queue.put_nowait(ConnectionForgottenError(FORGOTTEN))
-            self._requests.clear()
-            while _resolve(self._status_waiters, ConnectionForgottenError(FORGOTTEN)):
-                pass
+            self._forget_connection()  # the gateway restarted
         elif isinstance(reply, Tokens | Error) and reply.request_id is not None:
             queue = self._requests.get(reply.request_id)
             if queue is not None:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from pdrt.client.completion import Completion
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 Reply = Tokens | Error | PdrtError  # what a request's queue holds; a PdrtError is a local failure
+MAX_RESUMES = 3
 
 
 class AsyncStream:
@@ -45,6 +47,7 @@ class AsyncStream:
         self._is_cancel_sent = False
         self._is_resent = False
         self._num_replies = 0
+        self._num_resumes = 0
 
     @property
     def request_id(self) -> str:
@@ -75,8 +78,21 @@ class AsyncStream:
             # The gateway never took this request (it restarted before): say Hello again and resend it.
             self._is_resent, self._queue = True, None
             return await self.__anext__()
+        if isinstance(reply, ConnectionForgottenError) and self._may_resume():
+            # The gateway was lost with the stream begun: the restarted one goes on from the tokens received.
+            self._num_resumes += 1
+            self.message = msgspec.structs.replace(self.message, continuation=list(self.completion.token_ids))
+            self._queue = None
+            log.info("resuming a stream on a new gateway", request_id=self.request_id,
+                     tokens=len(self.completion.token_ids))
+            return await self.__anext__()
         self._finish()
         raise reply if isinstance(reply, PdrtError) else error_from_reply(reply)
+
+    def _may_resume(self) -> bool:
+        # A submitted draft's prompt was on the lost gateway only; a non-streamed request has received nothing.
+        return isinstance(self.message, Generate) and self.message.stream and not self._is_cancel_sent \
+            and self._num_resumes < MAX_RESUMES and self.message.params.seed is not None
 
     def _may_resend(self) -> bool:
         # A submitted draft cannot be resent: the restarted gateway never saw the draft.

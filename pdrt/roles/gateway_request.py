@@ -71,6 +71,18 @@ class GatewayRequest:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop) if tokenizer is not None else None
         return cls(identity, request_id, prompt_token_ids, params, stream, deadline, detok)
 
+    def resume(self, output: list[int]) -> None:
+        """Take `output` as this request's output so far, already streamed to its client by a gateway that was
+        lost: it is not sent again, and the stream goes on after it."""
+        for token in output:
+            self.token_ids.append(token)
+            if self.detokenizer is not None:
+                self.detokenizer.add(token)
+        self.num_tokens_sent = len(self.token_ids)
+        text = self.detokenizer.text if self.detokenizer is not None else ""
+        stop_chars = self.detokenizer.max_stop_chars if self.detokenizer is not None else 0
+        self.num_chars_sent = max(0, len(text) - stop_chars + 1) if stop_chars else len(text)
+
     def block_keys(self, prefixes: PrefixMemory) -> list[int]:
         """The prefix-cache keys of the prompt's full blocks, computed once."""
         if self._block_keys is None:

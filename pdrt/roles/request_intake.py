@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdrt.errors import DuplicateRequestError, PdrtError
+from pdrt.errors import DuplicateRequestError, InvalidRequestError, PdrtError
 from pdrt.roles.prompt_renderer import PromptRenderer, text_chars
 from pdrt.roles.prompt_renders import INLINE_CHARS, PromptRenders, Rendered
 from pdrt.roles.request_table import RequestTable
@@ -65,6 +65,11 @@ class RequestIntake:
 
     def _open_generate(self, identity: bytes, message: Generate, ids: list[int]) -> None:
         req = self.table.admit(identity, message.request_id, ids, message.params, message.stream, message.timeout_s)
+        if message.continuation:
+            if not message.stream or len(message.continuation) >= message.params.max_tokens:
+                raise InvalidRequestError("a continuation resumes a streamed request that has tokens left to make")
+            self.prompts.check(ids + message.continuation)
+            req.resume(message.continuation)
         if message.session_id and message.messages is not None:
             req.session_id = message.session_id
             req.messages = [{"role": m.role, "content": m.content} for m in message.messages]

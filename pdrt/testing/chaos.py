@@ -1,0 +1,103 @@
+"""Kill a process of a running node while streams run through it, and account for every stream: the chaos suite
+and scripts/bench_chaos.py.
+
+`run_streams` sends a batch of streams (greedy and seeded sampling alike)
+through the Python client, which resumes a stream on a restarted gateway by
+itself, and, once every stream has produced `kill_after` tokens, kills the
+named process with SIGKILL. Each stream's result is its tokens, or the typed
+error it ended with, or "hung" when nothing ended it within the timeout;
+`KillRun` also says when the kill was sent and when the first token after it
+arrived on each stream, for the time a migration takes.
+"""
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from pdrt.client import AsyncClient
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.errors import PdrtError
+from pdrt.testing.node import Node
+
+STREAM_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class KillRun:
+    results: dict[str, list[int] | str] = field(default_factory=dict)  # stream -> tokens, or what ended it
+    killed_at: float | None = None
+    killed_pid: int = 0
+    first_after_kill: dict[str, float] = field(default_factory=dict)  # stream -> time of its next token
+
+    def lost(self) -> list[str]:
+        return [name for name, result in self.results.items() if isinstance(result, str) and result != "hung"]
+
+    def hung(self) -> list[str]:
+        return [name for name, result in self.results.items() if result == "hung"]
+
+
+def batch(prompts: list[list[int]], max_tokens: int, seed: int = 7) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Streams named by index: even ones greedy, odd ones sampled with a seed of their own."""
+    out = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens) if i % 2 == 0 else \
+            SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i, max_tokens=max_tokens)
+        out[f"s{i}"] = (prompt, params)
+    return out
+
+
+async def _stream(client: AsyncClient, name: str, prompt: list[int], params: SamplingParams, run: KillRun,
+                  progress: dict[str, int]) -> None:
+    tokens: list[int] = []
+    try:
+        async with asyncio.timeout(STREAM_TIMEOUT_S):
+            async for delta in client.stream(token_ids=prompt, params=params):
+                tokens += delta.token_ids
+                progress[name] = len(tokens)
+                if run.killed_at is not None and name not in run.first_after_kill and delta.token_ids:
+                    run.first_after_kill[name] = time.monotonic()
+        run.results[name] = tokens
+    except TimeoutError:
+        run.results[name] = "hung"
+    except PdrtError as exc:
+        run.results[name] = exc.code
+
+
+async def _run(address: str, streams: dict[str, tuple[list[int], SamplingParams]], kill: tuple[Node, str] | None,
+               kill_after: int, kill_delay_s: float) -> KillRun:
+    run, progress = KillRun(), {name: 0 for name in streams}
+    async with AsyncClient(address, timeout_s=STREAM_TIMEOUT_S) as client:
+        tasks = [asyncio.create_task(_stream(client, name, prompt, params, run, progress))
+                 for name, (prompt, params) in streams.items()]
+        if kill is not None:
+            node, process = kill
+            deadline = time.monotonic() + STREAM_TIMEOUT_S
+            await asyncio.sleep(kill_delay_s)
+            while min(progress.values()) < kill_after and not all(t.done() for t in tasks) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            run.killed_pid = node.child_pids()[process]
+            os.kill(run.killed_pid, signal.SIGKILL)
+            run.killed_at = time.monotonic()
+        await asyncio.gather(*tasks)
+    return run
+
+
+def run_streams(address: str, streams: dict[str, tuple[list[int], SamplingParams]],
+                kill: tuple[Node, str] | None = None, kill_after: int = 3, kill_delay_s: float = 0.0) -> KillRun:
+    """Run `streams` to their end; with `kill` (a node and a process name), SIGKILL that process `kill_delay_s`
+    after they start and once every stream has `kill_after` tokens."""
+    return asyncio.run(_run(address, streams, kill, kill_after, kill_delay_s))
+
+
+def wait_restarted(node: Node, process: str, old_pid: int, timeout_s: float = 120.0) -> float:
+    """Seconds until `process` runs again under a new pid."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        pid = node.child_pids().get(process)
+        if pid is not None and pid != old_pid:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{process} was not restarted within {timeout_s} s")

@@ -1,0 +1,56 @@
+"""SIGKILL of each kind of process under a load of concurrent streams, on real nodes with the tiny model: every
+stream completes, with the output of an undisturbed run (greedy and seeded sampling alike), no KV block is left
+held on any worker, and the node goes on serving. scripts/bench_chaos.py runs the same on the default model."""
+
+import pytest
+
+from pdrt.testing.chaos import batch, run_streams, wait_restarted
+from pdrt.testing.node import Node
+from tests.system_client import used_blocks, wait_for
+
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def streams(prompts):
+    return batch([p[:300] for p in prompts[3:11]], MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def node(model_dirs, tmp_path_factory):
+    with Node(tmp_path_factory.mktemp("chaos"), str(model_dirs["llama"]), extra={"decode": {"count": 2}}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def undisturbed(node, streams):
+    run = run_streams(node.address, streams)
+    assert all(isinstance(tokens, list) and tokens for tokens in run.results.values()), run.results
+    return run.results
+
+
+def assert_survived(node: Node, run, undisturbed: dict, process: str, streams) -> None:
+    assert not run.hung() and not run.lost(), run.results
+    assert run.results == undisturbed
+    wait_restarted(node, process, run.killed_pid)
+    wait_for(lambda: used_blocks(node) and set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)
+    assert run_streams(node.address, streams).results == undisturbed  # and it serves as before
+
+
+@pytest.mark.parametrize(("process", "kill_after", "kill_delay_s"), [
+    ("decode-0", 3, 0.0),  # its streams move to decode-1
+    ("prefill-0", 0, 0.05),  # prompts in flight there go to the restarted one
+    ("controller", 3, 0.0),  # nothing is lost while the new one learns the cluster
+    ("gateway", 3, 0.0),  # the client resumes every stream on the restarted gateway
+])
+def test_a_killed_process_loses_no_stream_and_changes_no_output(node, streams, undisturbed, process, kill_after,
+                                                                 kill_delay_s):
+    run = run_streams(node.address, streams, kill=(node, process), kill_after=kill_after, kill_delay_s=kill_delay_s)
+    assert_survived(node, run, undisturbed, process, streams)
+
+
+def test_a_killed_colocated_worker_moves_its_streams_to_another(model_dirs, tmp_path, streams):
+    with Node(tmp_path, str(model_dirs["llama"]), mode="colocated", extra={"colocated": {"count": 2}}) as node:
+        undisturbed = run_streams(node.address, streams).results
+        run = run_streams(node.address, streams, kill=(node, "colocated-0"))
+        assert_survived(node, run, undisturbed, "colocated-0", streams)
