@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 EXIT_PERMANENT = 2  # an error that a restart cannot mend: the config, or a model that cannot load
+MAX_CAUSE_CHARS = 1000
 
 
 def _role(name: str) -> str:
@@ -124,7 +125,7 @@ def _leave_cause(name: str, cause: str) -> None:
     run_dir = os.environ.get("PDRT_RUN_DIR")
     if run_dir:
         try:
-            Path(run_dir, f"{name}.failure").write_text(cause)
+            Path(run_dir, f"{name}.failure").write_text(" ".join(cause.split())[:MAX_CAUSE_CHARS])  # one line
         except OSError:
             pass
 

@@ -2,13 +2,20 @@
 stream completes, with the output of an undisturbed run (greedy and seeded sampling alike), no KV block is left
 held on any worker, and the node goes on serving. scripts/bench_chaos.py runs the same on the default model."""
 
+import random
+import time
+
 import pytest
 
+from pdrt.errors import UnavailableError
+from pdrt.supervisor.child import RestartPolicy
 from pdrt.testing.chaos import batch, run_streams, wait_restarted
 from pdrt.testing.node import Node
 from tests.system_client import used_blocks, wait_for
 
 MAX_TOKENS = 120
+SOAK_S = 60.0
+STABLE_S = RestartPolicy().stable_after_s
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +61,39 @@ def test_a_killed_colocated_worker_moves_its_streams_to_another(model_dirs, tmp_
         undisturbed = run_streams(node.address, streams).results
         run = run_streams(node.address, streams, kill=(node, "colocated-0"))
         assert_survived(node, run, undisturbed, "colocated-0", streams)
+
+
+def test_a_soak_of_random_kills_under_load_loses_nothing(node, streams, undisturbed):
+    rng = random.Random(0)
+    deadline = time.monotonic() + SOAK_S
+    killed_at: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        # A process killed again within the supervisor's stable period counts as crashing at start-up, and five
+        # such crashes in a row make pdrt up give up (pdrt/supervisor/child.py): each kill waits out the period.
+        now = time.monotonic()
+        eligible = [p for p in ("decode-0", "decode-1", "prefill-0", "controller", "gateway")
+                    if now - killed_at.get(p, -STABLE_S) >= STABLE_S]
+        if not eligible:
+            time.sleep(1.0)
+            continue
+        process = rng.choice(eligible)
+        killed_at[process] = now
+        run = run_streams(node.address, streams, kill=(node, process), kill_after=rng.randrange(0, 20),
+                          kill_delay_s=rng.random() * 0.1)
+        assert not run.hung() and not run.lost(), (process, run.results)
+        assert run.results == undisturbed, process
+        wait_restarted(node, process, run.killed_pid)
+        wait_for(lambda: len(used_blocks(node)) == 3, timeout_s=30, interval_s=0.2)  # every worker back
+    wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)
+
+
+def test_a_model_that_cannot_load_stops_pdrt_up_at_once_with_its_cause(tmp_path):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    started = time.monotonic()
+    with pytest.raises(UnavailableError) as failed:
+        Node(tmp_path, str(bad)).start()
+    assert time.monotonic() - started < 60
+    last = failed.value.args[0].strip().splitlines()[-1]
+    assert "cannot start" in last and "model_load" in last, last

@@ -8,10 +8,14 @@ Life of a run:
    `cluster.key` (0600: made for this run unless the config gives one), and start
    every process in `NodeConfig.process_names()` order (controller, workers,
    gateway), each told the config's path and the run id by environment;
-2. monitor: every ~50 ms reap exited children and restart them with backoff
-   (their leftover shared memory removed first), and until the node is ready
-   ask the gateway whether every worker is alive (a node without a gateway
-   asks the controller whether its workers are registered: readiness.py);
+2. monitor: every ~50 ms reap exited children, tell the controller at once
+   (so that their streams move to other workers without waiting out a lease)
+   and restart them with backoff (their leftover shared memory removed
+   first); a child that exits with status 2 cannot start at all (its config,
+   its model): the run stops with the cause it left in the run directory.
+   Until the node is ready, ask the gateway whether every worker is alive
+   (a node without a gateway asks the controller whether its workers are
+   registered: readiness.py);
 3. on SIGINT/SIGTERM/SIGHUP, on giving up, or on a readiness timeout: SIGTERM
    the gateway first (it drains open requests), then the workers, then the
    controller, each group waited for and SIGKILLed when late; a second signal

@@ -6,8 +6,8 @@ through the Python client, which resumes a stream on a restarted gateway by
 itself, and, once every stream has produced `kill_after` tokens, kills the
 named process with SIGKILL. Each stream's result is its tokens, or the typed
 error it ended with, or "hung" when nothing ended it within the timeout;
-`KillRun` also says when the kill was sent and when the first token after it
-arrived on each stream, for the time a migration takes.
+`KillRun` also says when the kill was sent and when each token arrived, for
+the time a migration takes.
 """
 
 import asyncio
@@ -29,7 +29,8 @@ class KillRun:
     results: dict[str, list[int] | str] = field(default_factory=dict)  # stream -> tokens, or what ended it
     killed_at: float | None = None
     killed_pid: int = 0
-    first_after_kill: dict[str, float] = field(default_factory=dict)  # stream -> time of its next token
+    token_times: dict[str, list[float]] = field(default_factory=dict)  # stream -> when each of its tokens came
+    request_ids: dict[str, str] = field(default_factory=dict)  # stream -> its client request id
 
     def lost(self) -> list[str]:
         return [name for name, result in self.results.items() if isinstance(result, str) and result != "hung"]
@@ -38,12 +39,13 @@ class KillRun:
         return [name for name, result in self.results.items() if result == "hung"]
 
 
-def batch(prompts: list[list[int]], max_tokens: int, seed: int = 7) -> dict[str, tuple[list[int], SamplingParams]]:
+def batch(prompts: list[list[int]], max_tokens: int, seed: int = 7, ignore_eos: bool = False
+          ) -> dict[str, tuple[list[int], SamplingParams]]:
     """Streams named by index: even ones greedy, odd ones sampled with a seed of their own."""
     out = {}
     for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens) if i % 2 == 0 else \
-            SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos) if i % 2 == 0 else \
+            SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i, max_tokens=max_tokens, ignore_eos=ignore_eos)
         out[f"s{i}"] = (prompt, params)
     return out
 
@@ -51,13 +53,15 @@ def batch(prompts: list[list[int]], max_tokens: int, seed: int = 7) -> dict[str,
 async def _stream(client: AsyncClient, name: str, prompt: list[int], params: SamplingParams, run: KillRun,
                   progress: dict[str, int]) -> None:
     tokens: list[int] = []
+    stream = client.stream(token_ids=prompt, params=params)
+    run.request_ids[name] = stream.request_id
+    times = run.token_times[name] = []
     try:
         async with asyncio.timeout(STREAM_TIMEOUT_S):
-            async for delta in client.stream(token_ids=prompt, params=params):
+            async for delta in stream:
                 tokens += delta.token_ids
+                times += [time.monotonic()] * len(delta.token_ids)
                 progress[name] = len(tokens)
-                if run.killed_at is not None and name not in run.first_after_kill and delta.token_ids:
-                    run.first_after_kill[name] = time.monotonic()
         run.results[name] = tokens
     except TimeoutError:
         run.results[name] = "hung"
