@@ -1,20 +1,22 @@
-"""SIGKILL of each kind of process under a load of concurrent streams, on real nodes with the tiny model: every
-stream completes, with the output of an undisturbed run (greedy and seeded sampling alike), no KV block is left
-held on any worker, and the node goes on serving. scripts/bench_chaos.py runs the same on the default model."""
+"""SIGKILL (and SIGTERM, a stop) of each kind of process under a load of concurrent streams, and two minutes of
+random ones, on real nodes with the tiny model: every stream completes, with the output of an undisturbed run
+(greedy and seeded sampling alike), no KV block is left held on any worker, and the node goes on serving.
+scripts/bench_chaos.py runs the same on the default model."""
 
 import random
+import signal
 import time
 
 import pytest
 
 from pdrt.errors import UnavailableError
 from pdrt.supervisor.child import RestartPolicy
-from pdrt.testing.chaos import batch, run_streams, wait_restarted
+from pdrt.testing.chaos import batch, run_streams, uptime_s, wait_restarted
 from pdrt.testing.node import Node
 from tests.system_client import used_blocks, wait_for
 
 MAX_TOKENS = 120
-SOAK_S = 60.0
+SOAK_S = 120.0
 STABLE_S = RestartPolicy().stable_after_s
 
 
@@ -56,6 +58,21 @@ def test_a_killed_process_loses_no_stream_and_changes_no_output(node, streams, u
     assert_survived(node, run, undisturbed, process, streams)
 
 
+def test_a_worker_stopped_mid_stream_moves_its_streams(node, streams, undisturbed):
+    """SIGTERM, as `systemctl restart` or an operator's role change sends: the worker leaves the registry and its
+    streams go on elsewhere."""
+    run = run_streams(node.address, streams, kill=(node, "decode-0"), sig=signal.SIGTERM)
+    assert_survived(node, run, undisturbed, "decode-0", streams)
+
+
+def test_a_client_notices_a_frozen_gateway_and_resumes_when_it_answers_again(node, streams, undisturbed):
+    """A gateway that stops answering (SIGSTOP: a hung host, a lost network) is noticed by its unanswered pings."""
+    run = run_streams(node.address, streams, kill=(node, "gateway"), sig=signal.SIGSTOP, freeze_s=5.0)
+    assert run.noticed_at is not None and run.noticed_at - run.killed_at <= 3.0
+    assert not run.hung() and not run.lost(), run.results
+    assert run.results == undisturbed
+
+
 def test_a_killed_colocated_worker_moves_its_streams_to_another(model_dirs, tmp_path, streams):
     with Node(tmp_path, str(model_dirs["llama"]), mode="colocated", extra={"colocated": {"count": 2}}) as node:
         undisturbed = run_streams(node.address, streams).results
@@ -66,25 +83,27 @@ def test_a_killed_colocated_worker_moves_its_streams_to_another(model_dirs, tmp_
 def test_a_soak_of_random_kills_under_load_loses_nothing(node, streams, undisturbed):
     rng = random.Random(0)
     deadline = time.monotonic() + SOAK_S
-    killed_at: dict[str, float] = {}
+    kills = 0
     while time.monotonic() < deadline:
-        # A process killed again within the supervisor's stable period counts as crashing at start-up, and five
-        # such crashes in a row make pdrt up give up (pdrt/supervisor/child.py): each kill waits out the period.
-        now = time.monotonic()
+        # A process that dies before the supervisor's stable period of uptime counts as crashing at start-up, and
+        # five such crashes in a row make pdrt up give up (pdrt/supervisor/child.py): each kill waits out the period.
+        pids = node.child_pids()
         eligible = [p for p in ("decode-0", "decode-1", "prefill-0", "controller", "gateway")
-                    if now - killed_at.get(p, -STABLE_S) >= STABLE_S]
+                    if uptime_s(pids[p]) >= STABLE_S + 1.0]
         if not eligible:
             time.sleep(1.0)
             continue
         process = rng.choice(eligible)
-        killed_at[process] = now
+        sig = signal.SIGTERM if rng.random() < 0.25 else signal.SIGKILL  # a stop now and then, mostly a crash
         run = run_streams(node.address, streams, kill=(node, process), kill_after=rng.randrange(0, 20),
-                          kill_delay_s=rng.random() * 0.1)
-        assert not run.hung() and not run.lost(), (process, run.results)
-        assert run.results == undisturbed, process
+                          kill_delay_s=rng.random() * 0.1, sig=sig)
+        assert not run.hung() and not run.lost(), (process, sig, run.results)
+        assert run.results == undisturbed, (process, sig)
+        kills += 1
         wait_restarted(node, process, run.killed_pid)
         wait_for(lambda: len(used_blocks(node)) == 3, timeout_s=30, interval_s=0.2)  # every worker back
     wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)
+    assert kills >= 10
 
 
 def test_a_model_that_cannot_load_stops_pdrt_up_at_once_with_its_cause(tmp_path):

@@ -7,7 +7,10 @@ that binds is a CURVE server that admits only key holders, one that
 connects a CURVE client; clients' sockets have none. Every socket gets
 linger 0 (closing never blocks on unsent messages: a peer that is gone must
 not hang shutdown) and explicit high-water marks (a slow peer makes sends
-fail fast instead of growing memory without bound).
+fail fast instead of growing memory without bound). A socket with a
+heartbeat pings its peer (libzmq answers on the peer's I/O thread, whatever
+its event loop is doing) and drops the connection when the answers stop: a
+peer whose host died or froze is noticed as a disconnect, not by silence.
 """
 
 import asyncio
@@ -19,6 +22,7 @@ import zmq.asyncio
 from pdrt.actors.cluster_key import ClusterKey
 
 DEFAULT_HWM = 10_000
+HEARTBEAT_MISSES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,7 @@ class SocketSpec:
     identity: bytes | None = None
     hwm: int = DEFAULT_HWM
     key: ClusterKey | None = None  # the cluster's, for the internal plane
+    heartbeat_ms: int = 0  # ping interval; the connection drops after HEARTBEAT_MISSES intervals unanswered
 
 
 def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
@@ -42,6 +47,9 @@ def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
     if spec.kind == zmq.ROUTER:
         # Sending to an unknown or departed peer raises instead of dropping silently.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if spec.heartbeat_ms:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, spec.heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(spec.heartbeat_ms * HEARTBEAT_MISSES))
     if spec.key is not None:
         spec.key.secure(sock, server=spec.bind)
     try:

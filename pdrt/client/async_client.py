@@ -16,7 +16,8 @@ Life of a request in this client:
    A caller that stops early (timeout, `aclose()`, leaving the loop) removes
    the queue at once and sends `Cancel`, so neither side keeps the request.
 5. A gateway that is lost (its connection drops: the socket monitor says so
-   at once) or that answers `handshake_required` on a connection that said
+   at once, or within 2.5 s when its host froze or died silently and its
+   pings go unanswered) or that answers `handshake_required` on a connection that said
    Hello (it restarted) has lost what was open: the next call says Hello
    again, a request that had no reply yet is resent once (the new gateway
    never saw it), and a stream that had begun is resumed: the same request
@@ -77,6 +78,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 # Closing keeps unsent frames (the Cancels of open requests) this long, so the server learns of them.
 CLOSE_LINGER_MS = 500
+# A gateway that stops answering pings (its host died or froze) drops the connection within five of these.
+HEARTBEAT_MS = 500
 
 Messages = Iterable[ChatMessage | dict[str, str] | tuple[str, str]]
 FORGOTTEN = "the gateway no longer knows this connection (it restarted); what was open on it is lost"
@@ -136,7 +139,8 @@ class AsyncClient:
                 return self.ready
             if self._socket is None:
                 self._socket = make_socket(zmq.asyncio.Context.instance(),
-                                           SocketSpec(zmq.DEALER, self.address, bind=False))
+                                           SocketSpec(zmq.DEALER, self.address, bind=False,
+                                                      heartbeat_ms=HEARTBEAT_MS))
                 self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 self._reader = asyncio.create_task(self._read())
                 self._watcher = asyncio.create_task(self._watch())

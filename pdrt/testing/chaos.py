@@ -4,7 +4,8 @@ and scripts/bench_chaos.py.
 `run_streams` sends a batch of streams (greedy and seeded sampling alike)
 through the Python client, which resumes a stream on a restarted gateway by
 itself, and, once every stream has produced `kill_after` tokens, kills the
-named process with SIGKILL. Each stream's result is its tokens, or the typed
+named process with SIGKILL (or another signal: SIGSTOP freezes it for a
+while, as a host that hangs, and records when the client noticed). Each stream's result is its tokens, or the typed
 error it ended with, or "hung" when nothing ended it within the timeout;
 `KillRun` also says when the kill was sent and when each token arrived, for
 the time a migration takes.
@@ -29,6 +30,7 @@ class KillRun:
     results: dict[str, list[int] | str] = field(default_factory=dict)  # stream -> tokens, or what ended it
     killed_at: float | None = None
     killed_pid: int = 0
+    noticed_at: float | None = None  # after a SIGSTOP of the gateway: when the client dropped the connection
     token_times: dict[str, list[float]] = field(default_factory=dict)  # stream -> when each of its tokens came
     request_ids: dict[str, str] = field(default_factory=dict)  # stream -> its client request id
 
@@ -70,7 +72,7 @@ async def _stream(client: AsyncClient, name: str, prompt: list[int], params: Sam
 
 
 async def _run(address: str, streams: dict[str, tuple[list[int], SamplingParams]], kill: tuple[Node, str] | None,
-               kill_after: int, kill_delay_s: float) -> KillRun:
+               kill_after: int, kill_delay_s: float, sig: signal.Signals, freeze_s: float) -> KillRun:
     run, progress = KillRun(), {name: 0 for name in streams}
     async with AsyncClient(address, timeout_s=STREAM_TIMEOUT_S) as client:
         tasks = [asyncio.create_task(_stream(client, name, prompt, params, run, progress))
@@ -83,17 +85,39 @@ async def _run(address: str, streams: dict[str, tuple[list[int], SamplingParams]
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
             run.killed_pid = node.child_pids()[process]
-            os.kill(run.killed_pid, signal.SIGKILL)
+            os.kill(run.killed_pid, sig)
             run.killed_at = time.monotonic()
+            if sig == signal.SIGSTOP:
+                await _thaw(client, run, freeze_s)
         await asyncio.gather(*tasks)
     return run
 
 
+async def _thaw(client: AsyncClient, run: KillRun, freeze_s: float) -> None:
+    """SIGCONT the frozen process after `freeze_s`, noting meanwhile when the client gave up its connection."""
+    assert run.killed_at is not None
+    while time.monotonic() - run.killed_at < freeze_s:
+        if run.noticed_at is None and client.ready is None:
+            run.noticed_at = time.monotonic()
+        await asyncio.sleep(0.01)
+    os.kill(run.killed_pid, signal.SIGCONT)
+
+
 def run_streams(address: str, streams: dict[str, tuple[list[int], SamplingParams]],
-                kill: tuple[Node, str] | None = None, kill_after: int = 3, kill_delay_s: float = 0.0) -> KillRun:
-    """Run `streams` to their end; with `kill` (a node and a process name), SIGKILL that process `kill_delay_s`
-    after they start and once every stream has `kill_after` tokens."""
-    return asyncio.run(_run(address, streams, kill, kill_after, kill_delay_s))
+                kill: tuple[Node, str] | None = None, kill_after: int = 3, kill_delay_s: float = 0.0,
+                sig: signal.Signals = signal.SIGKILL, freeze_s: float = 5.0) -> KillRun:
+    """Run `streams` to their end; with `kill` (a node and a process name), send that process `sig` (SIGKILL
+    by default; SIGSTOP is followed by SIGCONT `freeze_s` later) `kill_delay_s` after they start and once every
+    stream has `kill_after` tokens."""
+    return asyncio.run(_run(address, streams, kill, kill_after, kill_delay_s, sig, freeze_s))
+
+
+def uptime_s(pid: int) -> float:
+    """Seconds since process `pid` started (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's parentheses
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def wait_restarted(node: Node, process: str, old_pid: int, timeout_s: float = 120.0) -> float:
