@@ -112,6 +112,13 @@ class WorkerLostError(PdrtError):
     code = "worker_lost"
 
 
+class RoleChangedError(PdrtError):
+    """The worker a request ran on serves another role now: the request goes on elsewhere (internal: the gateway
+    retries it, and a client never sees this code)."""
+
+    code = "role_changed"
+
+
 class ConfigError(PdrtError):
     """A node config (TOML, flags, environment) that cannot be used."""
 

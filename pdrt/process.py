@@ -32,7 +32,6 @@ from pdrt.cpu_placement import allowed_cores, cores_for, pin
 from pdrt.errors import ConfigError, ModelLoadError, PdrtError
 from pdrt.logs import configure_logging, quiet_transformers
 from pdrt.node_config import NodeConfig, role_of, with_secrets
-from pdrt.priority import CatchUp, take_priority
 
 if TYPE_CHECKING:
     from pdrt.roles.engine_worker import EngineWorker
@@ -51,19 +50,6 @@ def _role(name: str) -> str:
     return role
 
 
-def _take_priority(config: NodeConfig, name: str, worker: "EngineWorker") -> None:
-    """The worker's CPU priority, as its profile says (pdrt/worker_profile.py)."""
-    profile = worker.profile
-    if profile.catch_up_wait is not None:
-        from pdrt.roles.prefill_worker import PrefillWorker
-
-        assert isinstance(worker, PrefillWorker)
-        behind_s = profile.catch_up_wait * config.gateway.ttft_slo_s
-        worker.catch_up = worker.metrics.catch_up = CatchUp(profile.nice, behind_s, name)
-    else:
-        take_priority(profile.nice, name)
-
-
 def _place(config: NodeConfig, name: str, borrows: bool = False) -> None:
     cores = cores_for(config, name, allowed_cores(), borrows)
     if cores is not None:
@@ -73,14 +59,10 @@ def _place(config: NodeConfig, name: str, borrows: bool = False) -> None:
 def _worker(config: NodeConfig, name: str, role: str, incarnation: str, ctx: zmq.asyncio.Context,
             run_id: str) -> "EngineWorker":
     """The worker actor of `role`, its model loaded."""
-    if role == "prefill":
-        from pdrt.roles.prefill_worker import PrefillWorker
+    if role in ("prefill", "decode"):
+        from pdrt.roles.split_worker import SplitWorker
 
-        return PrefillWorker(config, name, incarnation, ctx, run_id)
-    if role == "decode":
-        from pdrt.roles.decode_worker import DecodeWorker
-
-        return DecodeWorker(config, name, incarnation, ctx, run_id)
+        return SplitWorker(config, name, incarnation, ctx, run_id, role)
     from pdrt.roles.colocated_worker import ColocatedWorker
 
     return ColocatedWorker(config, name, incarnation, ctx)
@@ -113,7 +95,7 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
         else:
             worker = _worker(config, name, role, incarnation, ctx, run_id)
             _place(config, name, borrows=worker.ledger is not None and worker.ledger.borrow)
-            _take_priority(config, name, worker)
+            worker.take_priority()
             await worker.serve(stop)
     finally:
         ctx.destroy(linger=0)

@@ -300,6 +300,31 @@ class ProcessExited(msgspec.Struct, **_struct("process_exited")):
     incarnation: str
 
 
+class ChangeRole(msgspec.Struct, **_struct("change_role")):
+    """Controller -> a worker of a disaggregated node, through its link: serve as `role` ("prefill" or "decode")
+    from now on; gateways already route to it as that. `reason` is the decision's, for the worker's log."""
+
+    role: str
+    reason: str = ""
+
+
+class RoleChanged(msgspec.Struct, **_struct("role_changed")):
+    """Worker -> controller: it serves as `role` now, having sent `moved` streams of its old role elsewhere."""
+
+    process_id: str
+    incarnation: str
+    role: str
+    moved: int = 0
+
+
+class SetRole(msgspec.Struct, **_struct("set_role")):
+    """A holder of the cluster key (an operator's tool) -> controller: make `process_id` serve as `role`. The
+    controller answers `Error` (code "invalid_request") when it cannot, else `RoleChanged` once it is done."""
+
+    process_id: str
+    role: str
+
+
 class PrefillRequest(msgspec.Struct, **_struct("prefill")):
     """Gateway -> prefill (or colocated) worker. `decode_address` is empty for a colocated worker; `decode_id`
     names the decode worker, the only one that may pull the request's KV. A continuation (a stream moved off
@@ -420,7 +445,8 @@ class MetricsView(msgspec.Struct, **_struct("metrics_view")):
 
 
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | ProcessExited
-                   | PrefillRequest | DraftUpdate | DraftSubmitted | KVHandoff | KVAck | Abort | Withdraw | Withdrawn
+                   | ChangeRole | RoleChanged | SetRole | PrefillRequest | DraftUpdate | DraftSubmitted | KVHandoff
+                   | KVAck | Abort | Withdraw | Withdrawn
                    | StepOutputs | RequestFailed | Error | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)

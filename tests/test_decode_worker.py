@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.node_config import ControllerConfig, NodeConfig
-from pdrt.roles.decode_worker import DecodeWorker
+from pdrt.roles.split_worker import SplitWorker
 from pdrt.testing.node import free_port
 from pdrt.transport import TransferBackend
 from pdrt.wire import KVAck, KVHandoff, KVSourceDescriptor, RequestFailed, encode, internal_decoder
@@ -31,7 +31,7 @@ async def exercise(model: str) -> tuple[list[object], list[object], int]:
     prefill.bind("tcp://127.0.0.1:*")
     gateway_address = gateway.getsockopt_string(zmq.LAST_ENDPOINT)
     prefill_address = prefill.getsockopt_string(zmq.LAST_ENDPOINT)
-    worker = DecodeWorker(config, "decode-0", "test", ctx)
+    worker = SplitWorker(config, "decode-0", "test", ctx, "decode-test", "decode")
     stop = asyncio.Event()
     serving = asyncio.create_task(worker.serve(stop))
     layout = worker.engine.pool.layout
@@ -66,7 +66,7 @@ async def exercise(model: str) -> tuple[list[object], list[object], int]:
 
 def test_a_handoff_whose_kv_cannot_be_pulled_fails_the_request_acks_the_prefill_and_frees_the_blocks(model_dirs,
                                                                                                     monkeypatch):
-    monkeypatch.setattr("pdrt.roles.decode_worker.PULL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("pdrt.roles.kv_imports.PULL_TIMEOUT_S", 0.5)
     failures, acks, used = asyncio.run(exercise(str(model_dirs["llama"])))
     assert sorted(f.request_id for f in failures) == ["shm", "tcp"]
     # Retryable: the KV that did not arrive is no fault of the request, which the gateway then moves elsewhere.

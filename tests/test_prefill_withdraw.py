@@ -9,7 +9,7 @@ import zmq.asyncio
 
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.node_config import NodeConfig
-from pdrt.roles.prefill_worker import PrefillWorker
+from pdrt.roles.split_worker import SplitWorker
 from pdrt.testing.node import free_port
 from pdrt.wire import PrefillRequest, Withdraw, Withdrawn, internal_decoder
 
@@ -19,14 +19,14 @@ CHUNK = 32
 
 @pytest.fixture
 def make_worker(model_dirs):
-    made: list[tuple[PrefillWorker, zmq.asyncio.Context]] = []
+    made: list[tuple[SplitWorker, zmq.asyncio.Context]] = []
 
-    def make(**prefill) -> PrefillWorker:
+    def make(**prefill) -> SplitWorker:
         config = NodeConfig.from_json(msgspec.json.encode({
             "model": str(model_dirs["llama"]), "prefill": prefill,
             "engine": {"kv_cache_bytes": 64 << 20, "max_prefill_chunk_size": CHUNK}}))
         ctx = zmq.asyncio.Context()
-        made.append((PrefillWorker(config, "prefill-0", "test", ctx, "withdraw-test"), ctx))
+        made.append((SplitWorker(config, "prefill-0", "test", ctx, "withdraw-test", "prefill"), ctx))
         return made[-1][0]
 
     yield make
@@ -52,9 +52,9 @@ def gateway_inbox():
     ctx.destroy(linger=0)
 
 
-def withdraw(worker: PrefillWorker, gateway_inbox, request_id: str) -> bool:
+def withdraw(worker: SplitWorker, gateway_inbox, request_id: str) -> bool:
     sock, address = gateway_inbox
-    worker._withdraw(Withdraw(request_id, address))
+    worker.handoffs.withdraw(Withdraw(request_id, address))
     _, payload = sock.recv_multipart()
     answer = internal_decoder.decode(payload)
     assert isinstance(answer, Withdrawn) and answer.request_id == request_id
@@ -64,11 +64,11 @@ def withdraw(worker: PrefillWorker, gateway_inbox, request_id: str) -> bool:
 def test_a_prompt_is_given_back_until_it_begins_and_the_load_accounts_for_each(worker, gateway_inbox, prompts):
     _, address = gateway_inbox
     for i, rid in enumerate(("a", "b", "c")):  # 200 tokens each, no prefix shared
-        worker._admit(PrefillRequest(rid, prompts[-1 - i][:200], GREEDY, address, "tcp://127.0.0.1:1"))
+        worker.handoffs.admit(PrefillRequest(rid, prompts[-1 - i][:200], GREEDY, address, "tcp://127.0.0.1:1"))
     # Admitted while a step ran, its add not yet run: "b" goes back, and is never added.
     assert withdraw(worker, gateway_inbox, "b")
     worker._apply_ops()
-    assert set(worker.engine.sequences) == {"a", "c"} and not worker.unadded
+    assert set(worker.engine.sequences) == {"a", "c"} and not worker.handoffs.unadded
     worker.engine.step()  # the first chunk of "a": it has begun
     load = worker._measure_load()
     assert load.prefilling == ["a"]
@@ -77,6 +77,6 @@ def test_a_prompt_is_given_back_until_it_begins_and_the_load_accounts_for_each(w
     assert withdraw(worker, gateway_inbox, "c")  # still waiting in the scheduler
     assert not withdraw(worker, gateway_inbox, "unknown")
     worker._apply_ops()
-    assert set(worker.engine.sequences) == {"a"} and set(worker.requests) == {"a"}
+    assert set(worker.engine.sequences) == {"a"} and set(worker.handoffs.requests) == {"a"}
     assert worker._measure_load().first_token_work == {"a": 200 - CHUNK}
 

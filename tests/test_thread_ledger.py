@@ -13,7 +13,8 @@ def ledger(tmp_path, monkeypatch):
     made: list[ThreadLedger] = []
 
     def make(process_id: str, threads: int = 1, borrow: bool = True, run_id: str = "run1") -> ThreadLedger:
-        made.append(ThreadLedger(run_id, process_id, threads, borrow, shm_dir=tmp_path))
+        role = process_id.split("-", 1)[0]
+        made.append(ThreadLedger(run_id, process_id, role, threads, borrow, shm_dir=tmp_path))
         return made[-1]
 
     yield make
@@ -51,6 +52,16 @@ def test_a_crashed_prefill_workers_segment_removed_by_the_supervisor_lends_nothi
     assert decode.threads_for_step() == 3
     assert remove_segments(process_prefix("run1", "prefill-0"), shm_dir=tmp_path) == [prefill.path.name]
     assert decode.threads_for_step() == 1
+
+
+def test_a_worker_that_changes_role_lends_or_borrows_as_its_new_role(ledger):
+    decode = ledger("decode-0")
+    other = ledger("prefill-0", threads=2)
+    assert decode.threads_for_step() == 3
+    other.set_role("decode", borrow=True)  # now a decode worker: it lends nothing and shares what idles
+    assert decode.threads_for_step() == 1
+    decode.set_role("prefill", borrow=False)
+    assert other.threads_for_step() == 3
 
 
 def test_close_removes_the_workers_segment(ledger, tmp_path):

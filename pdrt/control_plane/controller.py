@@ -27,6 +27,10 @@ Among them, a process speaks only for itself: a `Register`, `Heartbeat`,
 `Goodbye` or `MetricsReport` must come from the link identity of the
 process and incarnation it names (`link_identity`), else it is dropped.
 
+A disaggregated node's workers change roles in place when an operator asks
+(`SetRole`, from any holder of the cluster key) or the balancer decides
+(pdrt/control_plane/role_changes.py).
+
 Every process also reports its metrics (`MetricsReport`); the controller
 merges them (pdrt.metrics.aggregator), serves the result on its metrics port,
 and sends it to the gateways (`MetricsView`) at most once a second.
@@ -43,6 +47,7 @@ import zmq.asyncio
 from pdrt.actors.actor import Actor, FromPeer, Tick
 from pdrt.actors.sockets import SocketSpec, make_socket, send_now
 from pdrt.control_plane.link import link_identity
+from pdrt.control_plane.role_changes import RoleChanges
 from pdrt.metrics.aggregator import MetricsAggregator
 from pdrt.metrics.metrics_server import MetricsServer
 from pdrt.node_config import NodeConfig
@@ -58,6 +63,8 @@ from pdrt.wire import (
     ProcessLost,
     Register,
     Registered,
+    RoleChanged,
+    SetRole,
     encode,
     internal_decoder,
 )
@@ -68,7 +75,7 @@ log = structlog.get_logger(__name__)
 
 METRICS_VIEW_S = 1.0  # how often gateways get the merged metrics
 ROLES = ("gateway", "prefill", "decode", "colocated")
-SPOKEN_FOR_ONESELF = (Register, Heartbeat, Goodbye, MetricsReport)
+SPOKEN_FOR_ONESELF = (Register, Heartbeat, Goodbye, MetricsReport, RoleChanged)
 
 
 class Controller(Actor):
@@ -80,6 +87,7 @@ class Controller(Actor):
         self.recovering_until = time.monotonic() + config.experimental.lease_s
         self.socket = make_socket(ctx, SocketSpec(zmq.ROUTER, config.controller_address, bind=True, key=config.key))
         self.metrics = MetricsAggregator(self.registry)
+        self.roles = RoleChanges(self.registry, self._send, self.metrics.registry)
         self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)
         self.metrics_sent_at = 0.0
 
@@ -105,6 +113,7 @@ class Controller(Actor):
                 if time.monotonic() >= self.recovering_until:
                     for entry in self.registry.expire():
                         self._lost(entry, "lease expired")
+                self.roles.expire()
                 self._broadcast_view()
                 self._forward_metrics()
             case FromPeer(identity=identity, message=request):
@@ -126,6 +135,13 @@ class Controller(Actor):
                 self._lost(entry, "exited")
                 self._broadcast_view()
             return
+        if isinstance(message, SetRole):
+            why = self.roles.start(message.process_id, message.role, "asked by an operator", requester=identity)
+            if why is None:
+                self._broadcast_view()
+            else:
+                self._send(identity, Error("invalid_request", why))
+            return
         if not isinstance(message, SPOKEN_FOR_ONESELF):
             log.warning("controller ignored a message", message=type(message).__name__)
             return
@@ -138,6 +154,8 @@ class Controller(Actor):
                 self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
         elif isinstance(message, MetricsReport):
             self.metrics.report(message)
+        elif isinstance(message, RoleChanged):
+            self.roles.confirmed(message)
         elif isinstance(message, Register):
             if message.protocol_version != PROTOCOL_VERSION:
                 self._send(identity, Error("unsupported_version", f"controller speaks protocol {PROTOCOL_VERSION}, "

@@ -66,7 +66,8 @@ class ControllerLink:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat()),
                        asyncio.create_task(self._report())]
 
-    def _send(self, message: msgspec.Struct) -> None:
+    def send(self, message: msgspec.Struct) -> None:
+        """To the controller, now; a failure is logged (the controller is restarting: it will be asked again)."""
         try:
             send_now(self.socket, [encode(message)])
         except zmq.ZMQError as exc:
@@ -74,7 +75,7 @@ class ControllerLink:
 
     def _register(self) -> None:
         self.registered.clear()
-        self._send(Register(PROTOCOL_VERSION, self.process_id, self.incarnation, self.role, self.address))
+        self.send(Register(PROTOCOL_VERSION, self.process_id, self.incarnation, self.role, self.address))
 
     async def _read(self) -> None:
         while True:
@@ -106,7 +107,7 @@ class ControllerLink:
                     log.warning("controller did not answer the registration; retrying")
                     self._register()
             while self.registered.is_set():
-                self._send(Heartbeat(self.process_id, self.incarnation, self.load()))
+                self.send(Heartbeat(self.process_id, self.incarnation, self.load()))
                 await asyncio.sleep(self.heartbeat_s)
 
     async def _report(self) -> None:
@@ -118,10 +119,10 @@ class ControllerLink:
                 log.exception("metrics could not be collected")
                 continue
             if exposition is not None and self.registered.is_set():
-                self._send(MetricsReport(self.process_id, self.incarnation, self.role, exposition))
+                self.send(MetricsReport(self.process_id, self.incarnation, self.role, exposition))
 
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        self._send(Goodbye(self.process_id, self.incarnation))
+        self.send(Goodbye(self.process_id, self.incarnation))
         self.socket.close(linger=200)  # give the goodbye a moment to leave

@@ -43,3 +43,8 @@ class ResponseRatioOrder:
 
     def key(self, waited: int, work: int) -> tuple[float, ...]:
         return -(waited + work) / work, work
+
+
+def default_order(prompt_batch_tokens: int | None) -> PromptOrder:
+    """Arrival order where prompts batch side by side (None), the highest response ratio where they go one by one."""
+    return ArrivalOrder() if prompt_batch_tokens is None else ResponseRatioOrder()

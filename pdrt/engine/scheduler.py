@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdrt.engine.block_manager import BlockManager
-from pdrt.engine.prompt_order import ArrivalOrder, PromptOrder, ResponseRatioOrder
+from pdrt.engine.prompt_order import PromptOrder, default_order
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 MAX_FORETOLD = 64  # waiting prompts in `Scheduler.first_token_work`
@@ -69,9 +69,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.draft_limits = draft_limits or DraftLimits()
         self.prompt_batch_tokens = prompt_batch_tokens
-        if prompt_order is None:
-            prompt_order = ArrivalOrder() if prompt_batch_tokens is None else ResponseRatioOrder()
-        self.prompt_order = prompt_order
+        self.prompt_order = prompt_order or default_order(prompt_batch_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk_size = max_prefill_chunk_size
@@ -80,6 +78,11 @@ class Scheduler:
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
         self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in
+
+    def batch_prompts(self, prompt_batch_tokens: int | None) -> None:
+        """Between steps: batch prompts as `prompt_batch_tokens` says from now on, in that way's default order."""
+        self.prompt_batch_tokens = prompt_batch_tokens
+        self.prompt_order = default_order(prompt_batch_tokens)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

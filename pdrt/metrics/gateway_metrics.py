@@ -62,8 +62,8 @@ class GatewayMetrics:
                                           "prefill itself (conditional disaggregation)", registry=r)
         self.prefills_moved = Counter("pdrt_gateway_prefills_moved", "Prompts taken back from a prefill worker's "
                                       "queue, unstarted, to be prefilled on their decode worker", registry=r)
-        self.migrations = Counter("pdrt_gateway_migrations", "Requests moved to other workers after theirs died with "
-                                  "their output begun", registry=r)
+        self.migrations = Counter("pdrt_gateway_migrations", "Requests moved to other workers with their output "
+                                  "begun, after theirs died or stopped decoding", registry=r)
         self.cached_tokens = Counter("pdrt_gateway_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                      registry=r)
         self.output_tokens = Counter("pdrt_gateway_output_tokens", "Output tokens of ended requests", registry=r)

@@ -1,8 +1,8 @@
 """What a worker measures: its engine's steps and prefills, its KV pool and prefix cache, and its KV transfers.
 
-The engine loop calls `stepped` once per step (two `observe()` calls and,
-where prompts are prefilled, a walk over the step's sequences that reads a
-couple of attributes of each); the transfer paths call
+The engine loop calls `stepped` once per step (two `observe()` calls and a
+walk over the step's sequences that reads a couple of attributes of each,
+for the prefills among them); the transfer paths call
 the `handoff_*` (prefill) and `pull*` (decode) hooks once per request. The
 rest (blocks in use, prefix-cache hits, queue lengths, draft counters, PSI
 and DS) is read from the engine and the worker's load only when the metrics
@@ -35,14 +35,15 @@ STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, f
 PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, float("inf"))
 BYTE_BUCKETS = tuple(float(4 ** k) for k in range(6, 17)) + (float("inf"),)  # 4 KiB .. 4 GiB
-PREFILLING_ROLES = ("prefill", "colocated")  # a decode worker never samples a prefill
+PREFILLING_ROLES = ("prefill", "colocated")  # a decode worker's prefills are the few it takes on itself
+SPLIT_ROLES = ("prefill", "decode")  # a disaggregated node's workers, which hand KV over and can change roles
 MAX_TRACKED_PREFILLS = 4096  # beyond this, forget prefills whose request is gone (aborted mid-prefill)
 RECENT_STEPS = 32  # steps that decoded, for the load's step_s and decode_step_s
 
 
 class WorkerMetrics:
     def __init__(self, role: str, engine: LLMEngine, load: Callable[[], Load]) -> None:
-        self.role = role
+        self.role = role  # the worker's current role
         self.engine = engine
         self.bytes_per_block = engine.pool.layout.bytes_per_block
         self.registry = r = new_registry()
@@ -56,17 +57,15 @@ class WorkerMetrics:
         self.recent_prefills: deque[tuple[float, int]] = deque(maxlen=RECENT_STEPS)  # (seconds, prompt tokens)
         self.prefill_times: deque[float] = deque(maxlen=PSI_WINDOW)
         self.prefill_started: dict[str, float] = {}  # request id -> perf_counter of its first chunk's step
-        self.catch_up: CatchUp | None = None  # a prefill worker's, where it catches up (pdrt.process)
-        if role in PREFILLING_ROLES:
-            self.prefill_seconds = Histogram("pdrt_worker_prefill_seconds", "First chunk scheduled -> first token, "
-                                             "per request", buckets=PREFILL_BUCKETS, registry=r)
-        if role == "prefill":
+        self.catch_up: CatchUp | None = None  # a prefill worker's, where it catches up
+        self.prefill_seconds = Histogram("pdrt_worker_prefill_seconds", "First chunk scheduled -> first token, "
+                                         "per request", buckets=PREFILL_BUCKETS, registry=r)
+        if role in SPLIT_ROLES:
             handoffs = Counter("pdrt_kv_handoffs", "KV handoffs to decode workers: sent, then acked or expired",
                                ["result"], registry=r)
             self.handoffs_sent, self.handoffs_acked, self.handoffs_expired = (
                 handoffs.labels(x) for x in ("sent", "acked", "expired"))
             self.handoff_bytes = Counter("pdrt_kv_handoff_bytes", "Bytes of KV handed off", registry=r)
-        if role == "decode":
             pulls = Counter("pdrt_kv_pulls", "KV transfers from prefill workers, by result", ["result"], registry=r)
             self.pulls_succeeded, self.pulls_failed = pulls.labels("succeeded"), pulls.labels("failed")
             self.transfer_seconds = Histogram("pdrt_kv_transfer_seconds", "Time to pull one request's KV",
@@ -94,8 +93,7 @@ class WorkerMetrics:
         if borrowed_threads > 0:
             self.borrowing_steps.inc()
         self.step_tokens.observe(len(batch.decodes) + sum(n for _, n in batch.prefills))
-        if self.role in PREFILLING_ROLES:
-            self._prefills(batch, started, now)
+        self._prefills(batch, started, now)
 
     def _prefills(self, batch: ScheduledBatch, started: float, now: float) -> None:
         """Start and end the prefill times of this step's prompts.

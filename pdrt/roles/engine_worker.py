@@ -19,7 +19,9 @@ logs and drops a message whose handler raises.
 On the CPU, prefill and decode workers keep an entry in the run's thread
 ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
 work, and a decode worker runs each step with the threads of the idle ones
-too, where its profile says so (pdrt/worker_profile.py).
+too, where its profile says so (pdrt/worker_profile.py). The profile also
+gives the worker its CPU priority (`take_priority`, once the model has
+loaded).
 
 Drafts (prompts still being typed) are handled here for every role that
 prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
@@ -41,9 +43,10 @@ from pdrt.actors.actor import Actor, ActorRef
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
-from pdrt.errors import KVPoolFullError, PdrtError, TransferError
+from pdrt.errors import KVPoolFullError, PdrtError, RoleChangedError, TransferError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
+from pdrt.priority import CatchUp, take_priority
 from pdrt.roles.messaging import Inbox, Outbox, Senders
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
@@ -53,7 +56,7 @@ from pdrt.worker_profile import log_profile, worker_profile
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5
-RETRYABLE = (TransferError, KVPoolFullError)  # failures of this worker, not of the request
+RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError)  # failures of this worker, not of the request
 # A draft without an update for this long belongs to a typist who paused (to
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
@@ -61,7 +64,7 @@ LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measurin
 
 
 class EngineWorker(Actor):
-    role = ""
+    role = ""  # a SplitWorker's changes while it runs
     senders: Senders = {}  # what this role's inbox takes, and from whom
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
@@ -78,7 +81,7 @@ class EngineWorker(Actor):
         self.step_threads = engine_config.num_threads
         if self.role in ("prefill", "decode") and engine_config.device == "cpu":
             try:
-                self.ledger = ThreadLedger(run_id, process_id, engine_config.num_threads,
+                self.ledger = ThreadLedger(run_id, process_id, self.role, engine_config.num_threads,
                                            borrow=self.profile.borrow_threads)
             except OSError as exc:  # no /dev/shm: the worker runs on its own threads alone
                 log.warning("no thread ledger: this worker neither lends nor borrows threads", error=str(exc))
@@ -86,7 +89,7 @@ class EngineWorker(Actor):
         self.outbox = Outbox(ctx, process_id, key)
         self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver, self.senders, key)
         self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, self.role,
-                                   self.inbox.address, self.load, key=key)
+                                   self.inbox.address, self.load, self._tell, key=key)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
         self.ops: deque[tuple[str, Callable[[], None]]] = deque()
         self.wake = asyncio.Event()
@@ -96,13 +99,29 @@ class EngineWorker(Actor):
         self._load = Load()
         self._load_measured_at = 0.0
         self.metrics = WorkerMetrics(self.role, self.engine, self.load)
+        self.catch_up: CatchUp | None = None  # a small model's prefill worker's (pdrt/worker_profile.py)
         self._ref: ActorRef | None = None
+
+    def take_priority(self) -> None:
+        """The CPU priority the profile gives this worker's role: its niceness, or a catch-up between two."""
+        profile = self.profile
+        if profile.catch_up_wait is not None:
+            behind_s = profile.catch_up_wait * self.config.gateway.ttft_slo_s
+            self.catch_up = self.metrics.catch_up = CatchUp(profile.nice, behind_s, self.process_id)
+        else:
+            self.catch_up = self.metrics.catch_up = None
+            take_priority(profile.nice, self.process_id)
 
     # -- messages -------------------------------------------------------------
 
     async def _deliver(self, message: object) -> None:
         assert self._ref is not None
         await self._ref.deliver(message)
+
+    def _tell(self, message: object) -> None:
+        """What the controller sends (a role change) joins the mailbox."""
+        if self._ref is not None:
+            self._ref.tell(message)
 
     def queue_op(self, request_id: str, op: Callable[[], None]) -> None:
         """Run `op` on the engine before its next step; a PdrtError from it fails `request_id`."""

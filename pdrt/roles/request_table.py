@@ -27,6 +27,7 @@ from pdrt.errors import (
     OverloadedError,
     PdrtError,
     RequestTimeoutError,
+    RoleChangedError,
     UnavailableError,
     WorkerLostError,
 )
@@ -236,19 +237,20 @@ class RequestTable:
     def fail(self, req: GatewayRequest, error: PdrtError) -> None:
         self.end(req, Error(error.code, str(error), req.request_id), abort=True)
 
-    def _retry(self, req: GatewayRequest) -> None:
+    def _retry(self, req: GatewayRequest, counted: bool = True) -> None:
         """Send `req` again on live workers: a new attempt. With output begun it is a continuation (a migration):
         its prompt and its output so far, from which the workers go on as if nothing had happened; after
-        MAX_MIGRATIONS of those it ends with `worker_lost`."""
+        MAX_MIGRATIONS of those that are `counted` (its workers failed it, rather than changed roles) it ends
+        with `worker_lost`."""
         if req.token_ids:
-            if req.migrations >= MAX_MIGRATIONS:
+            if counted and req.migrations >= MAX_MIGRATIONS:
                 self.fail(req, WorkerLostError(f"the request's workers died {req.migrations + 1} times after it had "
                                                "produced tokens"))
                 return
-            req.migrations += 1
+            req.migrations += counted
             self.metrics.migrations.inc()
             log.warning("migrating a request", request_id=req.internal_id, client_request_id=req.request_id,
-                        output_tokens=len(req.token_ids), migration=req.migrations)
+                        output_tokens=len(req.token_ids), migration=req.migrations, counted=counted)
         self._detach(req, abort=True)
         log.info("retrying a request", request_id=req.internal_id, client_request_id=req.request_id,
                  attempt=req.attempt + 1)
@@ -314,7 +316,7 @@ class RequestTable:
         if req is None or not req.runs_on(message.process_id):
             return
         if message.retryable:
-            self._retry(req)
+            self._retry(req, counted=message.code != RoleChangedError.code)
         else:
             self.end(req, Error(message.code, message.message, req.request_id), abort=True)
 

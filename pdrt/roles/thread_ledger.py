@@ -7,7 +7,8 @@ its own thread count and whether it has work in a shared-memory segment of
 8 bytes, `pdrt-<run>-<process>-threads`. Before each step, a decode worker
 that borrows runs with its own threads plus its share of the threads of the
 run's prefill workers that are idle at that moment (shared evenly among the
-run's decode workers).
+run's decode workers). A worker's entry says its role, which may change
+while it runs (pdrt/roles/split_worker.py).
 
 A prefill worker that gets work takes its core back at the decode worker's
 next step; until then (one decode step at most) the two share it. Prefill
@@ -32,22 +33,25 @@ log = structlog.get_logger(__name__)
 SHM_DIR = Path("/dev/shm")
 SUFFIX = "-threads"
 RESCAN_S = 1.0  # how stale the list of peers may be: workers restart rarely
-_LAYOUT = struct.Struct("<ii")  # threads, busy
+_LAYOUT = struct.Struct("<iii")  # threads, busy, role
+ROLE_CODES = {"prefill": 1, "decode": 2}
 
 
 class ThreadLedger:
     """This worker's entry in the run's ledger and, for a decode worker, the threads it may use now."""
 
-    def __init__(self, run_id: str, process_id: str, threads: int, borrow: bool, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, run_id: str, process_id: str, role: str, threads: int, borrow: bool,
+                 shm_dir: Path = SHM_DIR) -> None:
         self.prefix = f"pdrt-{run_id}-"
         self.shm_dir = shm_dir
         self.threads = threads
         self.borrow = borrow
+        self.role = ROLE_CODES.get(role, 0)
         self.path = shm_dir / f"{self.prefix}{process_id}{SUFFIX}"
         self._own = self._map(self.path, create=True)
-        _LAYOUT.pack_into(self._own, 0, threads, 0)
         self._busy = False
-        self._peers: dict[Path, tuple[str, mmap.mmap]] = {}  # path -> (role, mapping)
+        self._publish()
+        self._peers: dict[Path, mmap.mmap] = {}
         self._scanned_at = float("-inf")
 
     @staticmethod
@@ -60,19 +64,25 @@ class ThreadLedger:
         finally:
             os.close(fd)
 
+    def _publish(self) -> None:
+        _LAYOUT.pack_into(self._own, 0, self.threads, int(self._busy), self.role)
+
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
             self._busy = busy
-            _LAYOUT.pack_into(self._own, 0, self.threads, int(busy))
+            self._publish()
+
+    def set_role(self, role: str, borrow: bool) -> None:
+        self.role, self.borrow = ROLE_CODES.get(role, 0), borrow
+        self._publish()
 
     def _rescan(self) -> None:
         found = {p for p in self.shm_dir.glob(f"{self.prefix}*{SUFFIX}") if p != self.path}
         for path in set(self._peers) - found:
-            self._peers.pop(path)[1].close()
+            self._peers.pop(path).close()
         for path in found - set(self._peers):
-            role = path.name[len(self.prefix):].split("-", 1)[0]
             try:
-                self._peers[path] = (role, self._map(path))
+                self._peers[path] = self._map(path)
             except (OSError, ValueError):  # removed meanwhile, or not yet sized by its owner
                 continue
         self._scanned_at = time.monotonic()
@@ -84,16 +94,16 @@ class ThreadLedger:
         if time.monotonic() - self._scanned_at > RESCAN_S:
             self._rescan()
         idle, num_borrowers = 0, 1
-        for role, mapping in self._peers.values():
-            threads, busy = _LAYOUT.unpack_from(mapping, 0)
-            if role == "prefill" and not busy:
+        for mapping in self._peers.values():
+            threads, busy, role = _LAYOUT.unpack_from(mapping, 0)
+            if role == ROLE_CODES["prefill"] and not busy:
                 idle += max(0, threads)
-            elif role == "decode":
+            elif role == ROLE_CODES["decode"]:
                 num_borrowers += 1
         return self.threads + idle // num_borrowers
 
     def close(self) -> None:
-        for _, mapping in self._peers.values():
+        for mapping in self._peers.values():
             mapping.close()
         self._peers.clear()
         self._own.close()

@@ -8,13 +8,15 @@ named process with SIGKILL (or another signal: SIGSTOP freezes it for a
 while, as a host that hangs, and records when the client noticed). Each stream's result is its tokens, or the typed
 error it ended with, or "hung" when nothing ended it within the timeout;
 `KillRun` also says when the kill was sent and when each token arrived, for
-the time a migration takes.
+the time a migration takes. Any other disturbance (a role change) can take
+the kill's place.
 """
 
 import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pdrt.client import AsyncClient
@@ -31,6 +33,7 @@ class KillRun:
     killed_at: float | None = None
     killed_pid: int = 0
     noticed_at: float | None = None  # after a SIGSTOP of the gateway: when the client dropped the connection
+    disturbance: object = None  # what `disturb` returned
     token_times: dict[str, list[float]] = field(default_factory=dict)  # stream -> when each of its tokens came
     request_ids: dict[str, str] = field(default_factory=dict)  # stream -> its client request id
 
@@ -72,18 +75,23 @@ async def _stream(client: AsyncClient, name: str, prompt: list[int], params: Sam
 
 
 async def _run(address: str, streams: dict[str, tuple[list[int], SamplingParams]], kill: tuple[Node, str] | None,
-               kill_after: int, kill_delay_s: float, sig: signal.Signals, freeze_s: float) -> KillRun:
+               kill_after: int, kill_delay_s: float, sig: signal.Signals, freeze_s: float,
+               disturb: Callable[[], Awaitable[object]] | None) -> KillRun:
     run, progress = KillRun(), {name: 0 for name in streams}
     async with AsyncClient(address, timeout_s=STREAM_TIMEOUT_S) as client:
         tasks = [asyncio.create_task(_stream(client, name, prompt, params, run, progress))
                  for name, (prompt, params) in streams.items()]
-        if kill is not None:
-            node, process = kill
+        if kill is not None or disturb is not None:
             deadline = time.monotonic() + STREAM_TIMEOUT_S
             await asyncio.sleep(kill_delay_s)
             while min(progress.values()) < kill_after and not all(t.done() for t in tasks) \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
+        if disturb is not None:
+            run.killed_at = time.monotonic()
+            run.disturbance = await disturb()
+        if kill is not None:
+            node, process = kill
             run.killed_pid = node.child_pids()[process]
             os.kill(run.killed_pid, sig)
             run.killed_at = time.monotonic()
@@ -105,11 +113,12 @@ async def _thaw(client: AsyncClient, run: KillRun, freeze_s: float) -> None:
 
 def run_streams(address: str, streams: dict[str, tuple[list[int], SamplingParams]],
                 kill: tuple[Node, str] | None = None, kill_after: int = 3, kill_delay_s: float = 0.0,
-                sig: signal.Signals = signal.SIGKILL, freeze_s: float = 5.0) -> KillRun:
+                sig: signal.Signals = signal.SIGKILL, freeze_s: float = 5.0,
+                disturb: Callable[[], Awaitable[object]] | None = None) -> KillRun:
     """Run `streams` to their end; with `kill` (a node and a process name), send that process `sig` (SIGKILL
     by default; SIGSTOP is followed by SIGCONT `freeze_s` later) `kill_delay_s` after they start and once every
-    stream has `kill_after` tokens."""
-    return asyncio.run(_run(address, streams, kill, kill_after, kill_delay_s, sig, freeze_s))
+    stream has `kill_after` tokens. `disturb` (a role change, say) is awaited at that moment instead."""
+    return asyncio.run(_run(address, streams, kill, kill_after, kill_delay_s, sig, freeze_s, disturb))
 
 
 def uptime_s(pid: int) -> float:

@@ -1,0 +1,67 @@
+"""Workers of a disaggregated node change roles in place under a load of streams, on a real node with the tiny
+model: no stream is lost or changed (greedy and seeded sampling), the gateways route by the new roles, no KV
+block is left held, and a change that would leave a role without workers is refused."""
+
+import asyncio
+
+import pytest
+
+from pdrt.actors.cluster_key import ClusterKey
+from pdrt.control_plane.set_role import set_role
+from pdrt.errors import InvalidRequestError
+from pdrt.testing.chaos import batch, run_streams
+from pdrt.testing.node import Node
+from pdrt.wire import RoleChanged
+from tests.system_client import node_status, used_blocks, wait_for
+
+KEY = ClusterKey.generate()
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def streams(prompts):
+    return batch([p[:300] for p in prompts[3:11]], MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def node(model_dirs, tmp_path_factory):
+    with Node(tmp_path_factory.mktemp("roles"), str(model_dirs["llama"]),
+              extra={"cluster_key": KEY.text, "decode": {"count": 2}}) as running:
+        running.controller = f"tcp://127.0.0.1:{running.controller_port}"
+        yield running
+
+
+@pytest.fixture(scope="module")
+def undisturbed(node, streams):
+    return run_streams(node.address, streams).results
+
+
+def roles(node: Node) -> dict[str, str]:
+    return {w.process_id: w.role for w in node_status(node).workers}
+
+
+def change(node: Node, process: str, role: str):
+    return lambda: set_role(node.controller, KEY, process, role)
+
+
+def test_a_decode_worker_becomes_a_prefill_worker_mid_stream_and_its_streams_go_on_unchanged(node, streams,
+                                                                                             undisturbed):
+    run = run_streams(node.address, streams, disturb=change(node, "decode-0", "prefill"))
+    assert isinstance(run.disturbance, RoleChanged) and run.disturbance.role == "prefill"
+    assert run.disturbance.moved > 0  # it was decoding some of them
+    assert not run.lost() and not run.hung() and run.results == undisturbed
+    assert roles(node) == {"prefill-0": "prefill", "decode-0": "prefill", "decode-1": "decode"}
+    assert run_streams(node.address, streams).results == undisturbed  # served by the new split
+
+
+def test_the_last_decode_worker_cannot_change_and_a_prefill_worker_becomes_one_mid_stream(node, streams,
+                                                                                          undisturbed):
+    with pytest.raises(InvalidRequestError, match="last decode worker"):
+        asyncio.run(change(node, "decode-1", "prefill")())
+    run = run_streams(node.address, streams, disturb=change(node, "prefill-0", "decode"), kill_after=0)
+    assert isinstance(run.disturbance, RoleChanged) and run.disturbance.moved == 0  # its prompts finish there
+    assert not run.lost() and not run.hung() and run.results == undisturbed
+    assert roles(node) == {"prefill-0": "decode", "decode-0": "prefill", "decode-1": "decode"}
+    run = run_streams(node.address, streams, disturb=change(node, "decode-1", "prefill"))
+    assert run.results == undisturbed
+    wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)
