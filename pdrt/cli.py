@@ -199,6 +199,35 @@ def cmd_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_key_text(key_file: str | None) -> str:
+    """The key from PDRT_CLUSTER_KEY, else `key_file`, else the one `pdrt up` node running on this host."""
+    import glob
+    import os
+    import tempfile
+    from pathlib import Path
+
+    if os.environ.get("PDRT_CLUSTER_KEY"):
+        return os.environ["PDRT_CLUSTER_KEY"]
+    if key_file:
+        return Path(key_file).read_text().strip()
+    found = glob.glob(os.path.join(tempfile.gettempdir(), "pdrt-*", "cluster.key"))
+    if len(found) != 1:
+        raise PdrtError(f"{len(found)} local runs have a cluster key; give PDRT_CLUSTER_KEY or --key-file")
+    return Path(found[0]).read_text().strip()
+
+
+def cmd_role(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdrt.actors.cluster_key import ClusterKey
+    from pdrt.control_plane.set_role import set_role
+
+    key = ClusterKey.parse(_cluster_key_text(args.key_file))
+    changed = asyncio.run(set_role(args.controller, key, args.worker, args.role, args.timeout))
+    print(f"{changed.process_id} serves as a {changed.role} worker ({changed.moved} streams moved on)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdrt", description="prefill/decode-disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     key = sub.add_parser("key", help="print a new cluster key (PDRT_CLUSTER_KEY: the same on every node of a "
                                      "cluster)")
     key.set_defaults(func=cmd_key)
+
+    role = sub.add_parser("role", help="make a worker of a disaggregated node a prefill or a decode worker, in place")
+    role.add_argument("worker", help="its process id, as `pdrt status` shows it (decode-0)")
+    role.add_argument("role", choices=["prefill", "decode"])
+    role.add_argument("--controller", default="tcp://127.0.0.1:7101", help="the controller (default: this host's)")
+    role.add_argument("--key-file", help="the cluster key (default: $PDRT_CLUSTER_KEY, else the local run's)")
+    role.add_argument("--timeout", type=float, default=15.0, metavar="S")
+    role.set_defaults(func=cmd_role)
 
     from pdrt.deploy import systemd as deploy_systemd
 
@@ -245,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "goodput over a rate sweep")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    from pdrt.planner.cli import add_parsers as add_planner_parsers
+
+    add_planner_parsers(sub)
 
     from pdrt.metrics.status_table import add_status_parser
 

@@ -29,6 +29,8 @@ docs/configuration.md lists them all, with their defaults and why.
     host = ""                                 # where the controller is reached (default: `host`)
     enabled = true                            # false: the controller runs on another node
     metrics_port = 7103                       # Prometheus metrics of the whole node over HTTP; 0: off
+    balance = true                            # move workers between prefill and decode as the load changes
+    balance_interval_s = 30.0
 
     [engine]                                  # every worker's engine
     kv_cache_bytes = 1073741824               # KV pool per worker
@@ -111,6 +113,8 @@ class ControllerConfig(_Table):
     host: str = ""  # where the controller is reached; on the controller's own node it also binds there
     enabled: bool = True
     metrics_port: OptionalPort = 7103  # HTTP: Prometheus text of every process, merged; 0 turns it off
+    balance: bool = True  # move workers between prefill and decode as the load changes (pdrt/control_plane/balancer.py)
+    balance_interval_s: Seconds = 30.0  # how often the balancer reads the load; it changes a role at most every two
 
 
 class EngineSettings(_Table):

@@ -65,7 +65,7 @@ from pdrt.bench.runner import BenchResult
 from pdrt.bench.workloads import LengthLimits
 from pdrt.models.fetch import default_model_dir, is_fetched
 from pdrt.testing.node import Node, free_port
-from pdrt.testing.tiny_model import build_tiny_model
+from pdrt.testing.tiny_model import build_tiny_model, build_wide_model
 from pdrt.worker_profile import SMALL_MODEL_PARAMS
 
 CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
@@ -391,6 +391,8 @@ def parse_settings(items: list[str], parser: argparse.ArgumentParser) -> dict[st
 
 
 def resolve_model(arg: str | None, workdir: Path) -> tuple[str, str]:
+    if arg == "wide":
+        return str(build_wide_model(workdir / "wide-llama")), "wide-llama (random weights, 7.7 M parameters)"
     if arg and arg != "tiny":
         return arg, Path(arg).name
     if arg is None and is_fetched():
@@ -461,7 +463,7 @@ def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory, or 'tiny' for a tiny random model built here "
+    parser.add_argument("--model", help="checkpoint directory, 'tiny' or 'wide' for a random model built here "
                                         "(default: SmolLM2 if fetched, else tiny)")
     parser.add_argument("--quick", action="store_true", help="few rates, short runs, half-length requests")
     parser.add_argument("--repeats", type=int, help="rounds of every ladder and interference run (medians)")

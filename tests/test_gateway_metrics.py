@@ -105,3 +105,16 @@ def test_a_view_that_does_not_parse_keeps_the_previous_one(metrics):
     view.update(MetricsView(b"garbage { here\n"))
     assert total(parse(view.exposition()), "up", process="decode-0") == 1
     assert render([]) == b""
+
+
+def test_started_requests_and_streamed_tokens_count_as_they_happen_retries_once(metrics):
+    req = request(5, ttft_s=0.1, e2e_s=0.5)
+    metrics.sent(req)
+    metrics.sent(req)  # a retry on another worker
+    metrics.tokens(req, 2)
+    metrics.tokens(req, 1)
+    got = families(metrics)
+    assert total(got, "pdrt_gateway_started_requests_total") == 1
+    assert total(got, "pdrt_gateway_started_prompt_tokens_total") == len(req.prompt_token_ids)
+    assert total(got, "pdrt_gateway_streamed_tokens_total") == 3
+    assert total(got, "pdrt_gateway_output_tokens_total") == 0  # counted when it ends

@@ -77,6 +77,49 @@ def test_pool_too_small_for_the_batch_preempts_and_still_completes_correctly(mak
     assert engine.block_manager.num_free_blocks == 40
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12)])
+def test_a_demoted_sequence_decodes_every_other_step_and_its_tokens_do_not_change(make_engine, prompts, params):
+    chosen = [prompts[9], prompts[15], prompts[12]]  # 100, 700 and 256 tokens
+    expected = make_engine().generate(chosen, params)
+    engine = make_engine()
+    for i, prompt in enumerate(chosen):
+        engine.add_request(str(i), prompt, params)
+    results: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    while any(not tokens for tokens in results.values()):
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+    engine.scheduler.demote(engine.sequences["1"], 2)
+    served = []
+    while engine.has_unfinished():
+        outputs = engine.step()
+        served.append({out.request_id for out in outputs})
+        for out in outputs:
+            results[out.request_id].extend(out.new_token_ids)
+    with_others = [ids for ids in served if ids - {"1"}]
+    assert all({"0", "2"} <= ids for ids in with_others)
+    assert ["1" in ids for ids in with_others] == [i % 2 == 1 for i in range(len(with_others))]
+    assert all(ids == {"1"} for ids in served[len(with_others):])  # alone, it decodes every step
+    assert [results[str(i)] for i in range(3)] == expected
+    assert engine.scheduler.demoted == [] and engine.scheduler.num_demotions == 1
+
+
+def test_demoted_sequences_in_a_pool_too_small_still_complete_correctly(make_engine, references, prompts):
+    batch = prompts[8:14]
+    engine = make_engine(num_blocks=40, block_size=16, max_prefill_chunk_size=64)
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, GREEDY)
+    results: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for seq in engine.scheduler.running:
+            if seq.is_decoding and seq.decode_every == 1 and len(engine.scheduler.demoted) < 2:
+                engine.scheduler.demote(seq, 2)
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_demotions > 2
+    assert [results[str(i)] for i in range(len(batch))] == [references["llama"].greedy(p) for p in batch]
+    assert engine.scheduler.demoted == [] and engine.block_manager.num_free_blocks == 40
+
+
 def _handoff(prefill, decode, request_id, prompt, params, split):
     """Prefill `prompt` in two pieces on one engine, move its KV, decode on the other."""
     prefill.add_draft(request_id, prompt[:split])

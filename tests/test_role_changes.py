@@ -65,3 +65,20 @@ def test_the_last_decode_worker_cannot_change_and_a_prefill_worker_becomes_one_m
     run = run_streams(node.address, streams, disturb=change(node, "decode-1", "prefill"))
     assert run.results == undisturbed
     wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)
+
+
+def test_pdrt_role_changes_a_role_from_the_command_line(node):
+    import os
+    import subprocess
+    import sys
+
+    def pdrt_role(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdrt.cli", "role", *args, "--controller", node.controller],
+                              capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PDRT_CLUSTER_KEY=KEY.text))
+
+    done = pdrt_role("decode-1", "decode")
+    assert done.returncode == 0 and done.stdout.startswith("decode-1 serves as a decode worker"), done.stderr
+    assert roles(node)["decode-1"] == "decode"
+    refused = pdrt_role("decode-1", "decode")
+    assert refused.returncode == 2 and "is a decode worker already" in refused.stderr

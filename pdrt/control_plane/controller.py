@@ -37,6 +37,7 @@ and sends it to the gateways (`MetricsView`) at most once a second.
 """
 
 import asyncio
+import os
 import time
 
 import msgspec
@@ -46,11 +47,14 @@ import zmq.asyncio
 
 from pdrt.actors.actor import Actor, FromPeer, Tick
 from pdrt.actors.sockets import SocketSpec, make_socket, send_now
+from pdrt.bench.stats import Slo
+from pdrt.control_plane.balancer import Balancer
 from pdrt.control_plane.link import link_identity
 from pdrt.control_plane.role_changes import RoleChanges
 from pdrt.metrics.aggregator import MetricsAggregator
 from pdrt.metrics.metrics_server import MetricsServer
 from pdrt.node_config import NodeConfig
+from pdrt.planner.profile import default_profile_path
 from pdrt.wire import (
     PROTOCOL_VERSION,
     ClusterView,
@@ -90,6 +94,12 @@ class Controller(Actor):
         self.roles = RoleChanges(self.registry, self._send, self.metrics.registry)
         self.metrics_server = MetricsServer(config.host, config.controller.metrics_port, lambda: self.metrics.snapshot)
         self.metrics_sent_at = 0.0
+        c = config.controller
+        self.balancer = Balancer(self.registry, self.roles, c.balance, c.balance_interval_s,
+                                 Slo(config.gateway.ttft_slo_s, config.gateway.tpot_slo_s),
+                                 config.threads_for("decode"), os.cpu_count() or 1, default_profile_path(config.model),
+                                 self.metrics.registry)
+        self.balancing: asyncio.Task | None = None
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         try:
@@ -116,8 +126,20 @@ class Controller(Actor):
                 self.roles.expire()
                 self._broadcast_view()
                 self._forward_metrics()
+                self.balancer.sample(self.metrics.snapshot, time.monotonic())
+                if self.balancer.due(time.monotonic()):
+                    self.balancing = asyncio.create_task(self._balance())
             case FromPeer(identity=identity, message=request):
                 self.handle(identity, request)
+
+    async def _balance(self) -> None:
+        try:
+            changed = await self.balancer.evaluate()
+        except Exception:  # a failed evaluation changes nothing; the next one tries again
+            log.exception("balancer evaluation failed")
+            return
+        if changed:
+            self._broadcast_view()
 
     def _forward_metrics(self) -> None:
         self.metrics.refresh()

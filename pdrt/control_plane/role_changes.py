@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 
 from pdrt.control_plane.registry import Registry
 from pdrt.wire import ChangeRole, RoleChanged
@@ -41,7 +41,7 @@ class RoleChanges:
         self.registry = registry
         self.send = send
         self.pending: dict[str, Change] = {}
-        self.last = ""  # the last change, in words, for status
+        self.last = Info("pdrt_controller_role_change_last", "The last role change", registry=metrics)
         self.changes = Counter("pdrt_controller_role_changes", "Role changes of workers, by their new role",
                                ["role"], registry=metrics)
         self.seconds = Histogram("pdrt_controller_role_change_seconds", "From a role change's decision to the "
@@ -93,7 +93,8 @@ class RoleChanges:
         seconds = time.monotonic() - change.started
         self.changes.labels(change.role).inc()
         self.seconds.observe(seconds)
-        self.last = f"{change.process_id}: {change.old} -> {change.role} ({change.reason})"
+        self.last.info({"worker": change.process_id, "from_role": change.old, "to_role": change.role,
+                        "seconds": f"{seconds:.3f}", "reason": change.reason[:200]})
         log.info("role changed", process=change.process_id, old=change.old, role=change.role,
                  seconds=round(seconds, 4), moved_streams=message.moved, reason=change.reason)
         if change.requester is not None:

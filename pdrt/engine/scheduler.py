@@ -61,6 +61,12 @@ class Scheduler:
     goes next is the `prompt_order` policy's choice (pdrt/engine/prompt_order.py):
     by default the highest response ratio when prompts go one by one, arrival
     order when they go side by side.
+
+    A demoted sequence (`demote`) keeps its blocks and its place but decodes
+    only in every `decode_every`-th step: the steps that skip it are shorter
+    for every other stream. A step skips it only while a sequence that is not
+    demoted runs too (so that no step goes empty for it), and counts it as
+    served: it is not preempted for a newer one.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -77,6 +83,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
+        self.demoted: list[Sequence] = []  # in the order they were demoted
+        self.num_demotions = 0
+        self.num_promotions = 0
         self.work_done = 0  # tokens put into steps so far: the clock that waits are counted in
 
     def batch_prompts(self, prompt_batch_tokens: int | None) -> None:
@@ -94,7 +103,34 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def demote(self, seq: Sequence, decode_every: int) -> None:
+        """Decode running `seq` only every `decode_every`-th step from now on."""
+        if seq.decode_every == 1:
+            self.demoted.append(seq)
+            self.num_demotions += 1
+        seq.decode_every = decode_every
+
+    def promote(self, seq: Sequence) -> None:
+        """Decode `seq` every step again."""
+        self._undemote(seq)
+        self.num_promotions += 1
+
+    def _undemote(self, seq: Sequence) -> None:
+        self.demoted.remove(seq)
+        seq.decode_every = 1
+        seq.num_skipped_steps = 0
+
+    def _skips(self, seq: Sequence) -> bool:
+        """Whether demoted `seq` sits out a step that has other work; it counts the steps it sat out."""
+        if seq.num_skipped_steps + 1 < seq.decode_every:
+            seq.num_skipped_steps += 1
+            return True
+        seq.num_skipped_steps = 0
+        return False
+
     def remove(self, seq: Sequence) -> None:
+        if seq.decode_every > 1:
+            self._undemote(seq)
         if seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING and seq in self.running:
@@ -185,6 +221,8 @@ class Scheduler:
         return candidates[0] if candidates else seq
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.decode_every > 1:
+            self._undemote(seq)  # it gives its blocks back; it costs nothing until it is recomputed
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
@@ -213,6 +251,7 @@ class Scheduler:
         preempted = False
         manager = self.block_manager
         served: set[int] = set()
+        may_skip = bool(self.demoted) and any(s.decode_every == 1 and not s.is_draft for s in self.running)
         for seq in sorted(self.running, key=lambda s: s.is_draft):  # stable: arrival order within each kind
             if budget <= 0:
                 break
@@ -220,6 +259,9 @@ class Scheduler:
                 continue  # preempted earlier in this step
             n = self._num_new_tokens(seq, budget)
             if n == 0 or not self._joins(batch, seq, n, budget):
+                continue
+            if may_skip and seq.decode_every > 1 and self._skips(seq):
+                served.add(id(seq))
                 continue
             num_new_blocks = manager.num_new_blocks(seq, n)
             while num_new_blocks > manager.num_free_blocks:

@@ -59,6 +59,9 @@ class Sequence:
     # A continuation (a request moved here after its worker died) carries its outputs so far at the end of its
     # prompt: they count as outputs for its sampling and its max_tokens, so it goes on as if never moved.
     num_prior_outputs: int = 0
+    # Demoted (Scheduler.demote): decoded in every `decode_every`-th step only, `num_skipped_steps` skipped so far.
+    decode_every: int = 1
+    num_skipped_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +80,11 @@ class Sequence:
     def is_draft(self) -> bool:
         """A prompt still being typed: prefilled ahead, never sampled until it is submitted."""
         return not self.prompt_is_final
+
+    @property
+    def is_decoding(self) -> bool:
+        """A submitted prompt wholly computed: each step gives it one token."""
+        return self.prompt_is_final and self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -57,6 +57,12 @@ class GatewayMetrics:
         self.e2e = Histogram("pdrt_gateway_e2e_seconds", "Admission to the final frame of a finished request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdrt_gateway_requests", "Requests ended, by outcome", ["outcome"], registry=r)
+        self.started = Counter("pdrt_gateway_started_requests", "Requests sent to a worker (the first time)",
+                               registry=r)
+        self.started_prompt_tokens = Counter("pdrt_gateway_started_prompt_tokens", "Prompt tokens of started "
+                                             "requests", registry=r)
+        self.streamed_tokens = Counter("pdrt_gateway_streamed_tokens", "Output tokens, counted as they arrive",
+                                       registry=r)
         self.prompt_tokens = Counter("pdrt_gateway_prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.prefills_on_decode = Counter("pdrt_gateway_prefills_on_decode", "Attempts sent to a decode worker to "
                                           "prefill itself (conditional disaggregation)", registry=r)
@@ -78,13 +84,16 @@ class GatewayMetrics:
         Gauge("pdrt_gateway_tpot_slo_seconds", "The TPOT SLO", registry=r).set(self.tpot_slo_s)
 
     def sent(self, req: GatewayRequest) -> None:
-        if not req.sent_at:  # a retry is not queueing again
+        if not req.sent_at:  # a retry is not queueing again, nor a new request
             req.sent_at = time.monotonic()
             self.queue.observe(req.sent_at - req.admitted_at)
+            self.started.inc()
+            self.started_prompt_tokens.inc(len(req.prompt_token_ids))
 
     def tokens(self, req: GatewayRequest, num_new: int) -> None:
         if not num_new:
             return
+        self.streamed_tokens.inc(num_new)
         now = time.monotonic()
         if req.first_token_at:
             self.inter_token.observe(now - req.last_token_at)

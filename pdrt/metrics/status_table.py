@@ -158,6 +158,13 @@ def summary_lines(families: "list[Metric]") -> list[str]:
     lines.append(f"health: PSI {_number(min(psi) if psi else math.nan, 1)} (> {PSI_TARGET:g})  "
                  f"DS {_number(max(ds) if ds else math.nan, 3)} (< {DS_TARGET:g})  "
                  f"KE {_number(ke, 4)} (> {KE_TARGET:g})  ETOP {_number(etop, 0)} tokens/worker-hour")
+    for labels, _ in samples(families, "pdrt_controller_role_change_last_info"):
+        if "to_role" in labels:  # an Info metric before its first value has no labels of its own
+            lines.append(f"last role change: {labels.get('worker')} {labels.get('from_role')} -> "
+                         f"{labels.get('to_role')} in {labels.get('seconds')} s ({labels.get('reason')})")
+    for labels, _ in samples(families, "pdrt_controller_balancer_last_info"):
+        if "action" in labels:
+            lines.append(f"balancer at {labels.get('at')}: {labels.get('action')}: {labels.get('reason')}")
     return lines
 
 

@@ -4,9 +4,9 @@ The engine loop calls `stepped` once per step (two `observe()` calls and a
 walk over the step's sequences that reads a couple of attributes of each,
 for the prefills among them); the transfer paths call
 the `handoff_*` (prefill) and `pull*` (decode) hooks once per request. The
-rest (blocks in use, prefix-cache hits, queue lengths, draft counters, PSI
-and DS) is read from the engine and the worker's load only when the metrics
-are collected, so it costs the hot loop nothing.
+rest (blocks in use, prefix-cache hits, queue lengths, draft counters,
+demotions, PSI and DS) is read from the engine and the worker's load only
+when the metrics are collected, so it costs the hot loop nothing.
 
 A request's prefill time runs from the start of the step that scheduled its
 first chunk (after its submit, for a draft) to the end of the step that
@@ -173,6 +173,14 @@ class _EngineCollector:
                                   value=engine.num_draft_tokens_ahead)
         yield CounterMetricFamily("pdrt_worker_draft_rollbacks", "Draft edits that rolled computed KV back",
                                   value=engine.num_draft_rollbacks)
+        scheduler = engine.scheduler
+        yield CounterMetricFamily("pdrt_worker_demotions", "Streams decoded less often (or less often still) "
+                                  "because the decode step interval ran over the TPOT SLO",
+                                  value=scheduler.num_demotions)
+        yield CounterMetricFamily("pdrt_worker_promotions", "Demoted streams decoded every step again",
+                                  value=scheduler.num_promotions)
+        yield GaugeMetricFamily("pdrt_worker_demoted_streams", "Streams decoded less often than every step",
+                                value=len(scheduler.demoted))
         if m.role in PREFILLING_ROLES:
             yield GaugeMetricFamily("pdrt_health_psi", "Prefill stability: mean/std of recent prefill times "
                                     "(target > 8)", value=prefill_stability(m.prefill_times))

@@ -16,6 +16,10 @@ An op that raises ends its request with a `RequestFailed` to the gateway (a
 never takes the worker down. Nor does any message a peer sends: the actor
 logs and drops a message whose handler raises.
 
+Between steps, a `StepGuard` (pdrt/engine/step_guard.py) watches the
+interval between decode steps and, while it runs over the TPOT SLO, has
+the scheduler decode the costliest streams less often.
+
 On the CPU, prefill and decode workers keep an entry in the run's thread
 ledger (pdrt/roles/thread_ledger.py): a prefill worker says whether it has
 work, and a decode worker runs each step with the threads of the idle ones
@@ -43,6 +47,7 @@ from pdrt.actors.actor import Actor, ActorRef
 from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
+from pdrt.engine.step_guard import StepGuard
 from pdrt.errors import KVPoolFullError, PdrtError, RoleChangedError, TransferError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
@@ -74,6 +79,7 @@ class EngineWorker(Actor):
         self.process_id = process_id
         engine_config = config.engine_config(self.role)
         self.engine = LLMEngine(engine_config, kv_allocator=kv_allocator)
+        self.step_guard = StepGuard(self.engine.scheduler, config.gateway.tpot_slo_s)
         num_params = self.engine.loaded.num_params
         self.profile = worker_profile(config, self.role, num_params)
         log_profile(self.profile, process_id, num_params)
@@ -235,11 +241,13 @@ class EngineWorker(Actor):
                 started = time.perf_counter()
                 outputs = await loop.run_in_executor(self.executor, self._step)
                 self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
+                self.step_guard.stepped(time.perf_counter(), bool(self.engine.last_batch.decodes))
                 if outputs:
                     self.emit(outputs)
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op
                     await self._wait(0.01)
             else:
+                self.step_guard.idle()
                 await self._wait(DRAFT_PAUSE_S if self.drafts else IDLE_WAIT_S)
             self._expire_drafts()
             self.after_step()

@@ -154,7 +154,7 @@ class SplitWorker(EngineWorker):
         self.engine.scheduler.batch_prompts(self.profile.prompt_batch_tokens)
         moved = self._move_streams() if role != "decode" else 0
         seconds = time.perf_counter() - started
-        log.info("role changed", process=self.process_id, old=old, role=role, moved_streams=moved,
+        log.info("serving a new role", process=self.process_id, old=old, role=role, moved_streams=moved,
                  seconds=round(seconds, 6), reason=reason)
         self.link.send(RoleChanged(self.process_id, self.incarnation, role, moved))
 

@@ -56,6 +56,11 @@ class Node(SpawnedServer):
             raise RuntimeError(f"no run id in {self.log_path}")
         return match.group(1)
 
+    def role_changes_ms(self) -> list[float]:
+        """Decision-to-serving times of the role changes its controller logged, in order."""
+        lines = [line for line in self.log_path.read_text().splitlines() if '"event": "role changed"' in line]
+        return [1e3 * float(m.group(1)) for m in map(re.compile(r'"seconds": ([0-9.e-]+)').search, lines) if m]
+
     def child_pids(self) -> dict[str, int]:
         """The pid of every process of the node, by name, read from /proc."""
         assert self.process is not None

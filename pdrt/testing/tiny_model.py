@@ -71,3 +71,10 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", hidden_size: int = 64, 
     tokenizer.save_pretrained(out_dir)
     (out_dir / "pdrt_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}))
     return out_dir
+
+
+def build_wide_model(out_dir: Path) -> Path:
+    """A random Llama of 7.7 M parameters whose steps are arithmetic rather than Python, as a real model's are,
+    while still a small model for pdrt's worker profiles: for benchmarks of how work is split across workers."""
+    return build_tiny_model(out_dir, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
+                            intermediate_size=1152)

@@ -1,0 +1,248 @@
+"""The balancer: the controller's policy that moves workers between prefill and decode as the load changes.
+
+Every `[controller] balance_interval_s` it reads the node's signals over
+the last two intervals:
+
+* requests a minute and their mean prompt length as they start, their
+  mean answer length as output tokens stream (tokens over requests
+  started: it follows a change of the mix within seconds, where ended
+  requests would lag by their whole length), and the SLO attainment of
+  those that ended, from the gateways' counters (`pdrt_gateway_*`);
+* the queues: prompts waiting at prefill workers, streams held by decode
+  workers (their heartbeats' load).
+
+It then predicts, with `pdrt plan`'s simulator and this host's profile
+(pdrt/planner), the SLO attainment each split of the node's workers would
+give that load over the next intervals (the queues as they stand, then
+Poisson arrivals at the measured rate with lengths around the measured
+means), and moves one worker toward the best split when all of these hold:
+
+* the best split beats the current one by MARGIN of predicted attainment;
+* the same split was best at the previous evaluation too (hysteresis);
+* no change was made in the last two intervals;
+* no change is under way.
+
+Every evaluation is logged with its signals and reason and counted
+(`pdrt_controller_balancer_decisions_total{action}`); the last one is
+exported as `pdrt_controller_balancer_last_info` for `pdrt status`. Without
+a profile of the model on this host (`pdrt profile`) it decides nothing and
+says so once. `[controller] balance = false` turns it off.
+"""
+
+import asyncio
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Info
+
+from pdrt.bench.stats import Slo
+from pdrt.bench.workloads import RequestShape
+from pdrt.control_plane.registry import Registry
+from pdrt.control_plane.role_changes import SPLIT_ROLES, RoleChanges
+from pdrt.metrics.exposition import total
+from pdrt.planner.profile import Profile
+from pdrt.planner.simulator import Deployment, Overheads, Simulation
+
+log = structlog.get_logger(__name__)
+
+MARGIN = 0.05  # of predicted attainment
+MIN_REQUESTS = 5  # in a window, to read a load off it
+MAX_SIM_REQUESTS = 400
+LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
+
+
+@dataclass(slots=True, frozen=True)
+class Signals:
+    requests_per_min: float
+    mean_input: float
+    mean_output: float
+    attainment: float | None  # of the requests judged in the window
+    prefill_waiting: int
+    decode_streams: int
+    prefill: int  # workers of each role now
+    decode: int
+
+    def describe(self) -> str:
+        attained = "-" if self.attainment is None else f"{self.attainment:.0%}"
+        return (f"{self.requests_per_min:.0f} req/min, in {self.mean_input:.0f} / out {self.mean_output:.0f} "
+                f"tokens, attainment {attained}, queues {self.prefill_waiting} prompts / {self.decode_streams} "
+                f"streams, {self.prefill}P+{self.decode}D")
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    best: tuple[int, int]  # (prefill, decode)
+    predicted: dict[tuple[int, int], float]  # split -> predicted attainment
+
+
+def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
+                   horizon_s: float, seed: int = 0) -> Decision:
+    """Predicted attainment of every split of the node's split workers under the load `signals` describe."""
+    rng = random.Random(seed)
+    rate = signals.requests_per_min / 60
+
+    def shape(mean_in: float, mean_out: float) -> RequestShape:
+        mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean
+        out = max(1, round(mean_out * rng.lognormvariate(mu, LENGTH_SIGMA)))
+        inp = max(4, round(mean_in * rng.lognormvariate(mu, LENGTH_SIGMA)))
+        return RequestShape(min(inp, max(4, profile.max_model_len - out)), out)
+
+    requests = [(0.0, shape(signals.mean_input, signals.mean_output)) for _ in range(signals.prefill_waiting)]
+    requests += [(0.0, RequestShape(4, max(1, round(signals.mean_output / 2)))) for _ in range(signals.decode_streams)]
+    now = 0.0
+    while rate > 0 and len(requests) < MAX_SIM_REQUESTS:
+        now += rng.expovariate(rate)
+        if now > horizon_s:
+            break
+        requests.append((now, shape(signals.mean_input, signals.mean_output)))
+    requests.sort(key=lambda r: r[0])
+    costs = profile.cost_model()
+    workers = signals.prefill + signals.decode
+    predicted = {}
+    for p in range(1, workers):
+        served = Simulation(costs, Deployment(prefill=p, decode=workers - p, threads=threads), cores,
+                            overheads, slo.ttft_s).run(requests)
+        met = sum(r.finished is not None and r.first_token - r.arrival <= slo.ttft_s
+                  and (r.shape.output_tokens <= 1
+                       or (r.finished - r.first_token) / (r.shape.output_tokens - 1) <= slo.tpot_s)
+                  for r in served)
+        predicted[(p, workers - p)] = met / len(served) if served else 1.0
+    current = (signals.prefill, signals.decode)
+    best = max(predicted, key=lambda s: (predicted[s], s == current))
+    return Decision(best, predicted)
+
+
+class Balancer:
+    def __init__(self, registry: Registry, roles: RoleChanges, enabled: bool, interval_s: float, slo: Slo,
+                 threads: int, cores: int, profile_path: Path, metrics: CollectorRegistry) -> None:
+        self.registry, self.roles = registry, roles
+        self.enabled, self.interval_s, self.slo = enabled, interval_s, slo
+        self.threads, self.cores = threads, cores
+        self.profile_path = profile_path
+        self.profile: Profile | None = None
+        self.samples: deque[tuple[float, dict[str, float]]] = deque()
+        self.next_at = time.monotonic() + interval_s
+        self.last_change_at = -math.inf
+        self.previous_best: tuple[int, int] | None = None
+        self.evaluating = False
+        self.said_why_not = False
+        self.decisions = Counter("pdrt_controller_balancer_decisions", "The balancer's evaluations, by what it did",
+                                 ["action"], registry=metrics)
+        self.last = Info("pdrt_controller_balancer_last", "The balancer's last decision", registry=metrics)
+
+    def _load_profile(self) -> bool:
+        if self.profile is None:
+            try:
+                self.profile = Profile.load(self.profile_path)
+            except Exception as exc:  # a missing or unreadable profile leaves the balancer idle, said once
+                if not self.said_why_not:
+                    log.warning("balancer idle: no profile of the model on this host; run `pdrt profile`",
+                                path=str(self.profile_path), error=str(exc))
+                    self._record("idle", f"no profile at {self.profile_path}")
+                    self.said_why_not = True
+                return False
+            log.info("balancer using a profile", path=str(self.profile_path))
+        return True
+
+    def _record(self, action: str, reason: str) -> None:
+        self.decisions.labels(action).inc()
+        self.last.info({"action": action, "reason": reason[:200], "at": time.strftime("%H:%M:%S")})
+
+    def sample(self, families: list, now: float) -> None:
+        """Keep the gateways' counters as they stand now (called every controller tick; kept four times an
+        interval)."""
+        if self.samples and now - self.samples[-1][0] < self.interval_s / 4:
+            return
+        counters = {
+            "requests": total(families, "pdrt_gateway_started_requests_total"),
+            "prompt": total(families, "pdrt_gateway_started_prompt_tokens_total"),
+            "output": total(families, "pdrt_gateway_streamed_tokens_total"),
+            "judged": total(families, "pdrt_gateway_slo_requests_total"),
+            "met": total(families, "pdrt_gateway_slo_met_total", slo="both"),
+        }
+        self.samples.append((now, counters))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= 2 * self.interval_s:
+            self.samples.popleft()
+
+    def signals(self) -> Signals | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, first), (t1, last) = self.samples[0], self.samples[-1]
+        delta = {k: last[k] - first[k] for k in last}
+        if delta["requests"] < 0:  # a gateway restarted and its counters with it: start the window again
+            self.samples = deque([self.samples[-1]])
+            return None
+        if t1 - t0 <= 0 or delta["requests"] < MIN_REQUESTS:
+            return None
+        prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
+        return Signals(
+            requests_per_min=60 * delta["requests"] / (t1 - t0),
+            mean_input=delta["prompt"] / delta["requests"], mean_output=max(1.0, delta["output"] / delta["requests"]),
+            attainment=delta["met"] / delta["judged"] if delta["judged"] else None,
+            prefill_waiting=sum(e.load.num_waiting for e in prefill),
+            decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
+            prefill=len(prefill), decode=len(decode))
+
+    def due(self, now: float) -> bool:
+        if not self.enabled or self.evaluating or now < self.next_at:
+            return False
+        self.next_at = now + self.interval_s
+        return len(self.registry.by_role("prefill")) + len(self.registry.by_role("decode")) >= 3 \
+            and self._load_profile()
+
+    async def evaluate(self) -> bool:
+        """Predict every split from the signals (in a thread: it takes a moment), then act on the prediction;
+        True when a role change began."""
+        signals = self.signals()
+        if signals is None:
+            self._record("keep", "too few requests in the window to read a load off")
+            return False
+        assert self.profile is not None
+        self.evaluating = True
+        try:
+            decision = await asyncio.to_thread(predict_splits, self.profile, self.profile.serving_overheads(),
+                                               signals, self.slo, self.threads, self.cores, 2 * self.interval_s)
+        finally:
+            self.evaluating = False
+        return self.act(signals, decision, time.monotonic())
+
+    def act(self, signals: Signals, decision: Decision, now: float) -> bool:
+        current = (signals.prefill, signals.decode)
+        best, predicted = decision.best, decision.predicted
+        gain = predicted[best] - predicted.get(current, 0.0)
+        previous, self.previous_best = self.previous_best, best
+        figures = ", ".join(f"{p}P+{d}D {a:.0%}" for (p, d), a in sorted(predicted.items()))
+        if best == current or gain < MARGIN:
+            why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
+            action = "keep"
+        elif previous != best:
+            why = f"{best[0]}P+{best[1]}D best ({figures}); waiting for the next evaluation to confirm"
+            action = "wait"
+        elif now - self.last_change_at < 2 * self.interval_s or self.roles.pending:
+            why = f"{best[0]}P+{best[1]}D best ({figures}); a change was made {now - self.last_change_at:.0f} s ago"
+            action = "wait"
+        else:
+            role = "prefill" if best[0] > current[0] else "decode"
+            why = self._change(role, f"predicted {figures}")
+            action = "change" if why.startswith("moved") else "refused"
+            if action == "change":
+                self.last_change_at = now
+        log.info("balancer decision", action=action, reason=why, signals=signals.describe())
+        self._record(action, f"{why}; load {signals.describe()}")
+        return action == "change"
+
+    def _change(self, role: str, reason: str) -> str:
+        """Move the least busy worker of the other role to `role`."""
+        other = next(r for r in SPLIT_ROLES if r != role)
+        candidates = sorted(self.registry.by_role(other),
+                            key=lambda e: (e.load.num_running + e.load.num_waiting, e.load.num_waiting_tokens))
+        if not candidates:
+            return f"no {other} worker to move"
+        entry = candidates[0]
+        refusal = self.roles.start(entry.process_id, role, f"balancer: {reason}")
+        return refusal or f"moved {entry.process_id} to {role} ({reason})"

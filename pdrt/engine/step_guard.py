@@ -1,0 +1,100 @@
+"""Keeps the interval between decode steps within the TPOT SLO by decoding the costliest streams less often.
+
+The interval it watches is the wall time from the end of one step that
+decoded to the end of the next: that is what a stream waits between two of
+its tokens, with whatever the worker does between steps and any step that
+only prefilled. It judges the mean of the last SLOWEST of them: with streams
+demoted, steps that decode them alternate with steps that skip them, and a
+stream's TPOT is the mean of both kinds.
+
+After PATIENCE consecutive means over the SLO it demotes one stream
+(Scheduler.demote): the decoding one with the longest context, whose
+attention costs the most, and then one more after each further PATIENCE.
+It never demotes more than half the decoding streams; with half demoted
+it decodes the demoted ones less often still (every SLOWEST-th step). Once
+RECOVERY consecutive means have stayed under MARGIN times the SLO, it
+promotes one back, the most recently demoted first, and so on.
+Sequences carry no priority, so context length alone says which stream
+costs the most.
+"""
+
+from collections import deque
+
+import structlog
+
+from pdrt.engine.scheduler import Scheduler
+from pdrt.engine.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+PATIENCE = 3
+RECOVERY = 8
+MARGIN = 0.8  # promoting back at just under the SLO would put the interval over it again at once
+DECODE_EVERY = 2
+SLOWEST = 4
+
+
+class StepGuard:
+    def __init__(self, scheduler: Scheduler, tpot_slo_s: float) -> None:
+        self.scheduler = scheduler
+        self.tpot_slo_s = tpot_slo_s
+        self.intervals: deque[float] = deque(maxlen=SLOWEST)  # a cycle of the least often decoded stream
+        self.num_over = 0  # consecutive means over the SLO
+        self.num_under = 0  # consecutive means under MARGIN times the SLO
+        self.last_decode_at: float | None = None
+
+    def stepped(self, now: float, decoded: bool) -> None:
+        """After each engine step, at `now` (time.perf_counter()): one that `decoded` ends an interval."""
+        if not decoded:
+            return
+        if self.last_decode_at is not None:
+            self.observe(now - self.last_decode_at)
+        self.last_decode_at = now
+
+    def idle(self) -> None:
+        """The engine has nothing to do: the next step that decodes begins afresh."""
+        self.last_decode_at = None
+        self.intervals.clear()
+
+    def observe(self, interval_s: float) -> None:
+        """One interval between two steps that decoded."""
+        demoted = self.scheduler.demoted
+        self.intervals.append(interval_s)
+        mean_s = sum(self.intervals) / len(self.intervals)
+        if mean_s > self.tpot_slo_s:
+            self.num_over, self.num_under = self.num_over + 1, 0
+            if self.num_over >= PATIENCE:
+                self.num_over = 0
+                self._demote(mean_s)
+        else:
+            self.num_over = 0
+            self.num_under = self.num_under + 1 if mean_s < MARGIN * self.tpot_slo_s and demoted else 0
+            if self.num_under >= RECOVERY:
+                self.num_under = 0
+                self._promote(demoted[-1], "recovered")
+        if demoted:
+            decoding = self._num_decoding()
+            while len(demoted) > decoding // 2:  # streams have ended since
+                self._promote(demoted[-1], "fewer streams")
+
+    def _num_decoding(self) -> int:
+        return sum(seq.is_decoding for seq in self.scheduler.running)
+
+    def _demote(self, mean_s: float) -> None:
+        scheduler = self.scheduler
+        candidates = [s for s in scheduler.running if s.is_decoding and s.decode_every == 1]
+        if candidates and len(scheduler.demoted) < self._num_decoding() // 2:
+            self._slow(max(candidates, key=lambda s: s.num_tokens), DECODE_EVERY, mean_s)
+            return
+        slowable = [s for s in scheduler.demoted if s.decode_every < SLOWEST]
+        if slowable:
+            self._slow(max(slowable, key=lambda s: s.num_tokens), SLOWEST, mean_s)
+
+    def _slow(self, seq: Sequence, decode_every: int, mean_s: float) -> None:
+        self.scheduler.demote(seq, decode_every)
+        log.info("stream demoted", request_id=seq.request_id, context_tokens=seq.num_tokens,
+                 decode_every=decode_every, mean_interval_s=round(mean_s, 6), tpot_slo_s=self.tpot_slo_s)
+
+    def _promote(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.promote(seq)
+        log.info("stream promoted", request_id=seq.request_id, context_tokens=seq.num_tokens, reason=reason)

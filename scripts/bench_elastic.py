@@ -1,0 +1,201 @@
+"""A prefill:decode balance that follows the load: the balancer against every static split, in one run.
+
+Three workers of one node (a thread each) serve a load at a fixed rate whose mix shifts: prefill-heavy
+(long prompts, short answers), then decode-heavy (short prompts, long answers), then prefill-heavy again,
+--phase-s seconds each. The same requests (same arrival times, lengths
+and seeds) go to:
+
+  * each static split of the three workers: 1 prefill + 2 decode (pdrt's default shape, "default") and
+    2 prefill + 1 decode, with the balancer off;
+  * the default split with the balancer on ([controller] balance, interval --interval), starting as 1P+2D.
+
+Per system: SLO attainment over the whole run and per phase, TTFT p95, and the role changes it made. The
+balancer reads this host's profile of the model (`pdrt profile`, measured first unless --profile gives one).
+`pdrt plan`'s simulator predicts the attainment of each static split over the same requests; the error of
+each prediction is printed. --repeats runs everything again with other seeds; figures are medians.
+
+The model is a random Llama of 7.7 M parameters (`--model wide`, the default: hidden 384, 4 layers), wide
+enough that a step's time is its arithmetic, as with real models. The tiny test model's steps are bound by
+Python: on two cores a second decode worker then adds no decode capacity, only contention, and no split of
+the load favours two decode workers (`--model tiny` shows it).
+
+Last line: `elastic dynamic_vs_best_static=X dynamic_vs_default=Y ttft_p95_cut=Z flip_ms=W plan_error=V`:
+X and Y ratios of SLO attainment over the whole run, Z the relative cut of TTFT p95 against the default
+split, W the median time from a role change's decision to the worker serving its new role, V the largest
+relative error of the predicted attainments.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_goodput import log, resolve_model  # noqa: E402
+
+from pdrt.bench import BenchOptions, Slo, Target, make_driver, percentile, run_rate  # noqa: E402
+from pdrt.bench.record import RequestRecord  # noqa: E402
+from pdrt.bench.stats import summarize  # noqa: E402
+from pdrt.bench.workloads import RequestShape  # noqa: E402
+from pdrt.planner.overheads import measure_overheads  # noqa: E402
+from pdrt.planner.predict import simulate  # noqa: E402
+from pdrt.planner.profile import Profile, default_profile_path, measure_profile  # noqa: E402
+from pdrt.planner.simulator import Deployment  # noqa: E402
+from pdrt.testing.node import Node, free_port  # noqa: E402
+
+PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
+SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
+
+
+def shape_of(phase: str, rng: random.Random, lengths: tuple[int, int, int, int]) -> RequestShape:
+    """A prefill-heavy request (a long prompt, a short answer) or a decode-heavy one (a short prompt, a long
+    answer), each length within 20% of its mean; `lengths` are the means (long prompt, short answer, short
+    prompt, long answer)."""
+    long_prompt, short_answer, short_prompt, long_answer = lengths
+
+    def around(mean: int) -> int:
+        return rng.randint(mean * 4 // 5, mean * 6 // 5)
+
+    if phase == "prefill-heavy":
+        return RequestShape(around(long_prompt), around(short_answer))
+    return RequestShape(around(short_prompt), around(long_answer))
+
+
+def workload(rate: float, phase_s: float, seed: int, lengths: tuple[int, int, int, int]
+             ) -> list[tuple[float, RequestShape, int]]:
+    """(arrival s, lengths, phase index) of every request: Poisson arrivals at `rate` throughout."""
+    rng = random.Random(f"elastic:{seed}")
+    requests, now = [], 0.0
+    while True:
+        now += rng.expovariate(rate)
+        phase = int(now // phase_s)
+        if phase >= len(PHASES):
+            return requests
+        requests.append((now, shape_of(PHASES[phase], rng, lengths), phase))
+
+
+async def drive(address: str, requests: list[tuple[float, RequestShape]], slo: Slo, seed: int
+                ) -> list[RequestRecord]:
+    driver = make_driver(Target(address))
+    info = await driver.open()
+    try:
+        options = BenchOptions(slo=slo, seed=seed, max_model_len=info.max_model_len, max_in_flight=4096)
+        run = await run_rate(driver, info, options, None, f"elastic:{seed}", requests=requests)
+    finally:
+        await driver.close()
+    return run.records
+
+
+def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interval_s: float, seed: int) -> dict:
+    prefill, decode, balance = SYSTEMS[name]
+    node = Node(workdir, model, extra={
+        "prefill": {"count": prefill}, "decode": {"count": decode},
+        "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
+        "controller": {"balance": balance, "balance_interval_s": interval_s, "metrics_port": free_port()},
+        "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
+    with node:
+        warm = [(0.05 * i, RequestShape(64, 8)) for i in range(5)]
+        asyncio.run(drive(node.address, warm, Slo(60, 60), seed + 999))
+        records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed))
+        flips = node.role_changes_ms()
+    phases = [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo)
+              for i in range(len(PHASES))]
+    whole = summarize(records, 0.0, slo)
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    result = {"attainment": whole.attainment, "phases": [s.attainment for s in phases],
+              "ttft_p95": percentile(ttfts, 95), "flips_ms": flips, "failed": whole.num_failed}
+    log(f"{name}: attainment {whole.attainment:.1%} (phases " + ", ".join(f"{a:.0%}" for a in result["phases"])
+        + f"), TTFT p95 {1e3 * (result['ttft_p95'] or 0):.0f} ms, {len(flips)} role changes "
+        + (f"({', '.join(f'{f:.0f}' for f in flips)} ms)" if flips else "") + f", {whole.num_failed} failed")
+    return result
+
+
+def predicted_attainment(profile: Profile, name: str, requests, slo: Slo) -> float:
+    prefill, decode, _ = SYSTEMS[name]
+    options = BenchOptions(slo=slo)
+    summary = simulate(profile.cost_model(), Deployment(prefill=prefill, decode=decode), os.cpu_count() or 2,
+                       [(t, s) for t, s, _ in requests], options, 0.0, profile.serving_overheads())
+    return summary.attainment
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="wide", help="checkpoint directory, 'wide' (default) or 'tiny'")
+    parser.add_argument("--profile", help="a saved profile of the model on this host (default: measure one)")
+    parser.add_argument("--rate", type=float, default=5.5, help="requests/s throughout (default 5.5)")
+    parser.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase (default 40)")
+    parser.add_argument("--interval", type=float, default=3.0, help="the balancer's interval, s (default 3)")
+    parser.add_argument("--ttft-slo", type=float, default=0.5)
+    parser.add_argument("--tpot-slo", type=float, default=0.008)
+    parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
+    parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
+    parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
+    parser.add_argument("--long-answer", type=int, default=900, help="decode-heavy answers' mean tokens")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--out", default="bench-results/elastic")
+    args = parser.parse_args()
+    names = args.systems.split(",")
+    lengths = (args.long_prompt, args.short_answer, args.short_prompt, args.long_answer)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
+    os.environ["PDRT_CACHE_DIR"] = str(workdir / "cache")  # where the nodes' balancers find the profile
+    model, model_name = resolve_model(args.model, workdir)
+    if args.profile:
+        profile = Profile.load(Path(args.profile))
+    else:
+        log("profiling the model")
+        profile = measure_profile(model, log=log)
+        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+    profile.save(default_profile_path(model))
+    slo = Slo(args.ttft_slo, args.tpot_slo)
+    print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
+          f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; SLOs TTFT {slo.ttft_s * 1e3:g} ms, TPOT "
+          f"{slo.tpot_s * 1e3:g} ms; balancer interval {args.interval:g} s", flush=True)
+
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    errors: list[float] = []
+    for repeat in range(args.repeats):
+        seed = 100 + repeat
+        requests = workload(args.rate, args.phase_s, seed, lengths)
+        for name in names:
+            result = run_system(workdir, model, name, requests, slo, args.interval, seed)
+            if not SYSTEMS[name][2]:
+                result["predicted"] = predicted_attainment(profile, name, requests, slo)
+                if result["attainment"] > 0:
+                    errors.append(abs(result["predicted"] / result["attainment"] - 1))
+                log(f"{name}: predicted attainment {result['predicted']:.1%}")
+            results[name].append(result)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] or 0.0 for r in results[name])
+
+    print(f"{'system':<10}{'attainment':>11}{'predicted':>10}{'TTFT p95 ms':>13}   per phase")
+    for name in names:
+        predicted = statistics.median(r["predicted"] for r in results[name]) if "predicted" in results[name][0] \
+            else None
+        phases = [statistics.median(r["phases"][i] for r in results[name]) for i in range(len(PHASES))]
+        print(f"{name:<10}{median(name, 'attainment'):>11.1%}{'' if predicted is None else f'{predicted:.1%}':>10}"
+              f"{1e3 * median(name, 'ttft_p95'):>13.0f}   " + " ".join(f"{a:.0%}" for a in phases))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "elastic.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    if not {"default", "2p1d", "balancer"} <= set(names):
+        return
+    dynamic = median("balancer", "attainment")
+    best_static = max(median("default", "attainment"), median("2p1d", "attainment"))
+    default = median("default", "attainment")
+    cut = 1 - median("balancer", "ttft_p95") / median("default", "ttft_p95")
+    flips = [f for r in results["balancer"] for f in r["flips_ms"]]
+    print(f"elastic dynamic_vs_best_static={dynamic / best_static:.2f} dynamic_vs_default={dynamic / default:.2f} "
+          f"ttft_p95_cut={cut:.2f} flip_ms={statistics.median(flips) if flips else float('nan'):.0f} "
+          f"plan_error={max(errors) if errors else float('nan'):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The balancer: its predictions follow the load's shape, and it acts on them only with hysteresis, at most
+every two intervals, one worker at a time, never emptying a role; on a real node it moves a worker when a
+prefill-heavy load arrives and `pdrt status` shows the decision."""
+
+import asyncio
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from pdrt.bench import Slo
+from pdrt.control_plane.balancer import Balancer, Decision, Signals, predict_splits
+from pdrt.control_plane.registry import Registry
+from pdrt.control_plane.role_changes import RoleChanges
+from pdrt.planner.cost_model import StepFit
+from pdrt.planner.profile import Profile, default_profile_path
+from pdrt.wire import ChangeRole
+
+SLO = Slo(0.2, 0.02)
+
+
+def hand_made_profile(prefill_per_token_s: float, decode_per_seq_s: float) -> Profile:
+    """Step times that follow exact lines (a profile written by hand, not measured)."""
+    prefill = StepFit(1e-3, prefill_per_token_s, 0.0)
+    decode = StepFit(1e-3, decode_per_seq_s, 0.0)
+    return Profile("hand-made", "none", 8, 0, 4096, 1 << 30, measured=False,
+                   prefill={1: [(n, c, prefill(n, 0)) for n, c in ((16, 0), (256, 0), (1024, 0), (64, 256))]},
+                   decode={1: [(b, b * 64, decode(b, 0)) for b in (1, 4, 16, 64)]})
+
+
+PROFILE = hand_made_profile(2e-5, 5e-4)
+
+
+def signals(mean_input: float, mean_output: float, prefill: int, decode: int, per_min: float = 1200) -> Signals:
+    return Signals(per_min, mean_input, mean_output, 0.5, 0, 0, prefill, decode)
+
+
+def test_long_prompts_predict_more_prefill_workers_and_long_answers_more_decode_workers():
+    prompts = predict_splits(PROFILE, PROFILE.serving_overheads(), signals(4000, 2, 1, 2), SLO, 1, 8, 30)
+    answers = predict_splits(PROFILE, PROFILE.serving_overheads(), signals(20, 400, 2, 1, 300), SLO, 1, 8, 30)
+    assert prompts.best == (2, 1) and prompts.predicted[(2, 1)] > prompts.predicted[(1, 2)]
+    assert answers.best == (1, 2) and answers.predicted[(1, 2)] > answers.predicted[(2, 1)]
+
+
+class Node:
+    """A registry of three split workers and the role changes the balancer starts on it."""
+
+    def __init__(self) -> None:
+        self.registry = Registry(lease_s=5)
+        for pid, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+            self.registry.register(pid, "i", role, "tcp://x", pid.encode())
+        self.sent: list[tuple[bytes, object]] = []
+        self.roles = RoleChanges(self.registry, lambda who, m: self.sent.append((who, m)), CollectorRegistry())
+        self.balancer = Balancer(self.registry, self.roles, True, 10.0, SLO, 1, 2, Path("/nonexistent"),
+                                 CollectorRegistry())
+
+
+def prefill_heavy(node: Node) -> Signals:
+    roles = [e.role for e in node.registry.entries.values()]
+    return signals(4000, 2, roles.count("prefill"), roles.count("decode"))
+
+
+def decision(best: tuple[int, int]) -> Decision:
+    return Decision(best, {(1, 2): 0.3, (2, 1): 0.95} if best == (2, 1) else {(1, 2): 0.95, (2, 1): 0.3})
+
+
+def test_a_change_waits_for_a_second_evaluation_then_moves_the_least_busy_worker():
+    node = Node()
+    node.registry.entries["decode-0"].load.num_running = 3
+    assert not node.balancer.act(prefill_heavy(node), decision((2, 1)), now=100.0)
+    assert node.sent == []
+    assert node.balancer.act(prefill_heavy(node), decision((2, 1)), now=110.0)
+    assert node.sent == [(b"decode-1", ChangeRole("prefill", node.sent[0][1].reason))]
+    assert node.registry.entries["decode-1"].role == "prefill"
+
+
+def test_no_second_change_within_two_intervals_nor_while_one_is_under_way():
+    node = Node()
+    node.balancer.act(prefill_heavy(node), decision((2, 1)), now=100.0)
+    node.balancer.act(prefill_heavy(node), decision((2, 1)), now=110.0)
+    assert len(node.sent) == 1
+    for now in (120.0, 125.0):  # back again: confirmed, but the last change is too recent
+        assert not node.balancer.act(prefill_heavy(node), decision((1, 2)), now=now)
+    node.roles.pending.clear()
+    assert node.balancer.act(prefill_heavy(node), decision((1, 2)), now=131.0)
+    assert len(node.sent) == 2
+
+
+def test_a_gain_within_the_margin_changes_nothing():
+    node = Node()
+    close = Decision((2, 1), {(1, 2): 0.93, (2, 1): 0.95})
+    for now in (100.0, 110.0, 120.0):
+        assert not node.balancer.act(prefill_heavy(node), close, now)
+    assert node.sent == []
+
+
+def test_without_a_profile_the_balancer_stays_idle_and_says_why():
+    node = Node()
+    assert not node.balancer.due(node.balancer.next_at + 1)
+    assert node.balancer.last._value["action"] == "idle"
+
+
+def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, tmp_path, monkeypatch):
+    from pdrt.client import AsyncClient, SamplingParams
+    from pdrt.metrics.status_table import summary_lines
+    from pdrt.testing.node import Node as RunningNode
+    from pdrt.testing.node import free_port
+    from tests.system_client import node_status, scrape, wait_for
+
+    monkeypatch.setenv("PDRT_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(model_dirs["llama"])
+    # A profile by which prompts are expensive: one prefill worker cannot keep up with the load below.
+    profile = hand_made_profile(1e-4, 5e-4)
+    profile.cores = 2
+    profile.save(default_profile_path(model))
+    metrics_port = free_port()
+    with RunningNode(tmp_path, model, extra={"decode": {"count": 2}, "gateway": {"ttft_slo_s": 0.2, "tpot_slo_s": 0.05},
+                                              "controller": {"balance_interval_s": 1.0, "metrics_port": metrics_port}},
+                     ) as node:
+        node.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+        async def load() -> None:
+            async with AsyncClient(node.address) as client:
+                for i in range(120):
+                    tokens = [(i * 7 + j) % 900 + 5 for j in range(900)]
+                    await client.generate(token_ids=tokens, params=SamplingParams(max_tokens=2, ignore_eos=True))
+                    roles = [w.role for w in node_status(node).workers] if i % 10 == 9 else []
+                    if roles.count("prefill") == 2:
+                        return
+                    await asyncio.sleep(0.03)
+
+        asyncio.run(load())
+        wait_for(lambda: sorted(w.role for w in node_status(node).workers) == ["decode", "prefill", "prefill"],
+                 timeout_s=20, interval_s=0.5)
+        lines = wait_for(lambda: [line for line in summary_lines(scrape(node)[1])
+                                  if line.startswith("last role change: decode-") and "-> prefill" in line],
+                         timeout_s=10, interval_s=0.5)
+        assert "balancer: predicted" in lines[0]
+        assert any(line.startswith("balancer at ") for line in summary_lines(scrape(node)[1]))
