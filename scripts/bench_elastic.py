@@ -33,7 +33,6 @@ import random
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -43,9 +42,8 @@ from pdrt.bench import BenchOptions, Slo, Target, make_driver, percentile, run_r
 from pdrt.bench.record import RequestRecord  # noqa: E402
 from pdrt.bench.stats import summarize  # noqa: E402
 from pdrt.bench.workloads import RequestShape  # noqa: E402
-from pdrt.planner.overheads import measure_overheads  # noqa: E402
 from pdrt.planner.predict import simulate  # noqa: E402
-from pdrt.planner.profile import Profile, default_profile_path, measure_profile  # noqa: E402
+from pdrt.planner.profile import Profile, default_profile_path, profile_model  # noqa: E402
 from pdrt.planner.simulator import Deployment  # noqa: E402
 from pdrt.testing.node import Node, free_port  # noqa: E402
 
@@ -128,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="wide", help="checkpoint directory, 'wide' (default) or 'tiny'")
     parser.add_argument("--profile", help="a saved profile of the model on this host (default: measure one)")
-    parser.add_argument("--rate", type=float, default=5.5, help="requests/s throughout (default 5.5)")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests/s throughout (default 4)")
     parser.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase (default 40)")
     parser.add_argument("--interval", type=float, default=3.0, help="the balancer's interval, s (default 3)")
     parser.add_argument("--ttft-slo", type=float, default=0.5)
@@ -136,8 +134,9 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
     parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
     parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
-    parser.add_argument("--long-answer", type=int, default=900, help="decode-heavy answers' mean tokens")
+    parser.add_argument("--long-answer", type=int, default=1100, help="decode-heavy answers' mean tokens")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=100, help="of the first repeat; the next ones count up")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", default="bench-results/elastic")
     args = parser.parse_args()
@@ -146,12 +145,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
     os.environ["PDRT_CACHE_DIR"] = str(workdir / "cache")  # where the nodes' balancers find the profile
     model, model_name = resolve_model(args.model, workdir)
-    if args.profile:
-        profile = Profile.load(Path(args.profile))
-    else:
-        log("profiling the model")
-        profile = measure_profile(model, log=log)
-        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+    profile = Profile.load(Path(args.profile)) if args.profile else profile_model(model, log=log)
     profile.save(default_profile_path(model))
     slo = Slo(args.ttft_slo, args.tpot_slo)
     print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
@@ -161,7 +155,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {n: [] for n in names}
     errors: list[float] = []
     for repeat in range(args.repeats):
-        seed = 100 + repeat
+        seed = args.seed + repeat
         requests = workload(args.rate, args.phase_s, seed, lengths)
         for name in names:
             result = run_system(workdir, model, name, requests, slo, args.interval, seed)

@@ -4,13 +4,14 @@ On this machine, with one model (default: a tiny random Llama built here):
 
 1. the model's profile is measured (`pdrt profile`: engine step times and serving overheads), unless
    --profile gives one;
-2. a pilot on the colocated server sets the SLOs, as scripts/bench_goodput.py does;
+2. a pilot on the colocated server sets the SLOs, as scripts/bench_goodput.py does (unless they are given);
 3. each deployment (colocated with every core; one prefill and one decode worker; one prefill and two decode
-   workers, a thread each) climbs a measured goodput ladder of the chat workload over the native protocol
-   (exact lengths), and `pdrt plan`'s simulator predicts the same ladder: the same requests, seeds and SLOs.
+   workers, a thread each; --deployments may add two prefill and one decode) climbs a measured goodput ladder
+   of the chat workload over the native protocol (exact lengths), and `pdrt plan`'s simulator predicts the
+   same ladder: the same requests, seeds and SLOs.
 
 --repeats runs every ladder again with another seed; the medians are compared. Last line:
-`plan colocated=E1 1p1d=E2 1p2d=E3 max_error=V`, each E the relative error of the predicted goodput
+`plan colocated=E1 1p1d=E2 1p2d=E3 ... max_error=V`, each E the relative error of the predicted goodput
 (predicted / measured - 1).
 """
 
@@ -39,9 +40,8 @@ from bench_goodput import (  # noqa: E402  (the goodput benchmark's servers, pil
 
 from pdrt.bench import Slo  # noqa: E402
 from pdrt.bench.workloads import LengthLimits  # noqa: E402
-from pdrt.planner.overheads import measure_overheads  # noqa: E402
 from pdrt.planner.predict import predict  # noqa: E402
-from pdrt.planner.profile import Profile, measure_profile  # noqa: E402
+from pdrt.planner.profile import Profile, profile_model  # noqa: E402
 from pdrt.planner.simulator import Deployment  # noqa: E402
 
 CORES = os.cpu_count() or 2
@@ -49,6 +49,7 @@ DEPLOYMENTS = {
     "colocated": (Deployment(colocated=1, threads=CORES), "colocated", {}),
     "1p1d": (Deployment(prefill=1, decode=1), "disaggregated", {}),
     "1p2d": (Deployment(prefill=1, decode=2), "disaggregated", {"decode": {"count": 2}}),
+    "2p1d": (Deployment(prefill=2, decode=1), "disaggregated", {"prefill": {"count": 2}}),
 }
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--ttft-slo", type=float, help="seconds (with --tpot-slo: no pilot)")
     parser.add_argument("--tpot-slo", type=float, help="seconds")
     parser.add_argument("--start-rate", type=float, help="the ladders' first rate (default: from the pilot)")
-    parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    parser.add_argument("--deployments", default="colocated,1p1d,1p2d", help=f"of {', '.join(DEPLOYMENTS)}")
     parser.add_argument("--out", default="bench-results/plan")
     args = parser.parse_args()
     names = args.deployments.split(",")
@@ -70,12 +71,7 @@ def main() -> None:
     settings.duration_s = args.duration
     workdir = Path(tempfile.mkdtemp(prefix="bench-plan-"))
     model, model_name = resolve_model(args.model, workdir)
-    if args.profile:
-        profile = Profile.load(Path(args.profile))
-    else:
-        log("profiling the model")
-        profile = measure_profile(model, log=log)
-        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+    profile = Profile.load(Path(args.profile)) if args.profile else profile_model(model, log=log)
     costs, overheads = profile.cost_model(), profile.serving_overheads()
     print(f"bench_plan: model {model_name}; {CORES} cores; overheads {overheads}", flush=True)
 
@@ -119,6 +115,7 @@ def main() -> None:
         print(f"{name:<12}{m:>10.3g}{p:>11.3g}{errors[name]:>+8.1%}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    profile.save(out / "profile.json")
     (out / "plan.json").write_text(json.dumps({"slo": asdict(slo), "measured": measured, "predicted": predicted,
                                                "overheads": asdict(overheads)}, indent=1))
     print("plan " + " ".join(f"{n}={e:+.3f}" for n, e in errors.items())

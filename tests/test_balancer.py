@@ -24,7 +24,7 @@ def hand_made_profile(prefill_per_token_s: float, decode_per_seq_s: float) -> Pr
     decode = StepFit(1e-3, decode_per_seq_s, 0.0)
     return Profile("hand-made", "none", 8, 0, 4096, 1 << 30, measured=False,
                    prefill={1: [(n, c, prefill(n, 0)) for n, c in ((16, 0), (256, 0), (1024, 0), (64, 256))]},
-                   decode={1: [(b, b * 64, decode(b, 0)) for b in (1, 4, 16, 64)]})
+                   decode={1: [(b, b * c, decode(b, 0)) for b in (1, 4, 16, 64) for c in (64, 512)]})
 
 
 PROFILE = hand_made_profile(2e-5, 5e-4)
@@ -136,3 +136,13 @@ def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, 
                          timeout_s=10, interval_s=0.5)
         assert "balancer: predicted" in lines[0]
         assert any(line.startswith("balancer at ") for line in summary_lines(scrape(node)[1]))
+
+
+def test_decode_steps_slower_than_the_profile_make_decode_workers_worth_more():
+    quiet = predict_splits(PROFILE, PROFILE.serving_overheads(), Signals(120, 64, 400, 1.0, 0, 0, 2, 1), SLO, 1, 8, 30)
+    # The one decode worker's 5 streams step three times as slowly as the profile says they would.
+    step = PROFILE.cost_model().decode_step_s(5, 5 * (64 + 400 // 2))
+    loaded = predict_splits(PROFILE, PROFILE.serving_overheads(),
+                            Signals(120, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((5, 3 * step),)), SLO, 1, 8, 30)
+    assert quiet.best == (2, 1) and quiet.predicted[(2, 1)] > 0.9  # the current split will do
+    assert loaded.best == (1, 2) and loaded.predicted[(1, 2)] - loaded.predicted[(2, 1)] > 0.5

@@ -9,13 +9,16 @@ the last two intervals:
   requests would lag by their whole length), and the SLO attainment of
   those that ended, from the gateways' counters (`pdrt_gateway_*`);
 * the queues: prompts waiting at prefill workers, streams held by decode
-  workers (their heartbeats' load).
+  workers, and how long the decode workers' steps take now (their
+  heartbeats' load).
 
 It then predicts, with `pdrt plan`'s simulator and this host's profile
 (pdrt/planner), the SLO attainment each split of the node's workers would
 give that load over the next intervals (the queues as they stand, then
 Poisson arrivals at the measured rate with lengths around the measured
-means), and moves one worker toward the best split when all of these hold:
+means; decode steps as much slower than the profile's as the decode
+workers' steps are now, a loaded machine being slower than the quiet one
+it was profiled on), and moves one worker toward the best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
 * the same split was best at the previous evaluation too (hysteresis);
@@ -32,6 +35,7 @@ says so once. `[controller] balance = false` turns it off.
 import asyncio
 import math
 import random
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ MARGIN = 0.05  # of predicted attainment
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
+MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, something else is wrong
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +71,7 @@ class Signals:
     decode_streams: int
     prefill: int  # workers of each role now
     decode: int
+    decode_steps: tuple[tuple[int, float], ...] = ()  # per decode worker: (streams, recent decode step s)
 
     def describe(self) -> str:
         attained = "-" if self.attainment is None else f"{self.attainment:.0%}"
@@ -85,6 +91,12 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     """Predicted attainment of every split of the node's split workers under the load `signals` describe."""
     rng = random.Random(seed)
     rate = signals.requests_per_min / 60
+    costs = profile.cost_model()
+    context = round(signals.mean_input + signals.mean_output / 2)
+    ratios = [seconds / costs.decode_step_s(batch, batch * context, threads)
+              for batch, seconds in signals.decode_steps if batch and seconds]
+    if ratios:
+        costs = costs.slower_decode(min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))))
 
     def shape(mean_in: float, mean_out: float) -> RequestShape:
         mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean
@@ -101,7 +113,6 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
             break
         requests.append((now, shape(signals.mean_input, signals.mean_output)))
     requests.sort(key=lambda r: r[0])
-    costs = profile.cost_model()
     workers = signals.prefill + signals.decode
     predicted = {}
     for p in range(1, workers):
@@ -186,7 +197,8 @@ class Balancer:
             attainment=delta["met"] / delta["judged"] if delta["judged"] else None,
             prefill_waiting=sum(e.load.num_waiting for e in prefill),
             decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
-            prefill=len(prefill), decode=len(decode))
+            prefill=len(prefill), decode=len(decode),
+            decode_steps=tuple((e.load.num_running, e.load.decode_step_s) for e in decode))
 
     def due(self, now: float) -> bool:
         if not self.enabled or self.evaluating or now < self.next_at:

@@ -2,10 +2,11 @@
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from pdrt.errors import ConfigError
+
+MAX_SPLITS = 7
 
 
 def _log(message: str) -> None:
@@ -19,15 +20,12 @@ def _model(arg: str | None) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdrt.planner.overheads import measure_overheads
-    from pdrt.planner.profile import default_profile_path, measure_profile
+    from pdrt.planner.profile import default_profile_path, profile_model
 
     model = _model(args.model)
     threads = [int(t) for t in args.threads.split(",")] if args.threads else None
     _log(f"profiling {model} (engine steps, then a node at light load); this takes a few minutes")
-    profile = measure_profile(model, threads, args.max_context, log=_log)
-    if not args.engine_only:
-        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+    profile = profile_model(model, threads, args.max_context, serving=not args.engine_only, log=_log)
     path = profile.save(Path(args.out) if args.out else default_profile_path(model))
     for t, fit in profile.cost_model().fits.items():
         print(f"threads {t}: prefill {fit.prefill.fixed * 1e3:.2f} ms + {fit.prefill.per_token * 1e6:.2f} us/token "
@@ -47,7 +45,10 @@ def _deployments(workers: int, cores: int) -> list:
     out = [Deployment(colocated=1, threads=cores)]
     if workers > 1:
         out.append(Deployment(colocated=workers, threads=threads))
-    out += [Deployment(prefill=p, decode=workers - p, threads=threads) for p in range(1, workers)]
+    # Every split of a few workers; of many, MAX_SPLITS spread evenly.
+    splits = sorted({round(1 + i * (workers - 2) / max(1, MAX_SPLITS - 1)) for i in range(MAX_SPLITS)}
+                    if workers - 1 > MAX_SPLITS else range(1, workers))
+    out += [Deployment(prefill=p, decode=workers - p, threads=threads) for p in splits]
     return out
 
 

@@ -87,6 +87,12 @@ class CostModel:
         factor = threads / nearest
         return ThreadsFit(fit.prefill.scaled(factor), fit.decode.scaled(factor))
 
+    def slower_decode(self, factor: float) -> "CostModel":
+        """The same model with every decode step `factor` times as long (as measured on a loaded machine)."""
+        fits = {t: ThreadsFit(f.prefill, StepFit(f.decode.fixed * factor, f.decode.per_token * factor,
+                                                 f.decode.per_attention * factor)) for t, f in self.fits.items()}
+        return CostModel(fits, self.kv_bytes_per_token, self.num_params)
+
     def parallelism(self, threads: int) -> float:
         """The cores a worker of `threads` threads keeps busy: the speed-up its threads gave a long prompt over
         one thread (a small model's step is bound by Python, and its second thread mostly waits)."""

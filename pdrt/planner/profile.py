@@ -220,3 +220,15 @@ def measure_profile(model: str, threads: list[int] | None = None, max_context: i
             f"{decode[-1][0]} at {decode[-1][1] // decode[-1][0]} tokens {decode[-1][2] * 1e3:.1f} ms")
     assert profile is not None
     return profile
+
+
+def profile_model(model: str, threads: list[int] | None = None, max_context: int = 2048, serving: bool = True,
+                  log: Callable[[str], None] = lambda _: None) -> Profile:
+    """`pdrt profile`: the engine's step times, then (with `serving`) what a running node adds to them."""
+    profile = measure_profile(model, threads, max_context, log=log)
+    if serving:
+        from pdrt.planner.overheads import measure_overheads
+
+        log("measuring a node at light load")
+        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+    return profile

@@ -25,7 +25,8 @@ What it models, as pdrt runs (docs/architecture.md):
   cores than there are, every one runs that much slower (processor
   sharing), as the kernel's scheduler shares them. A worker needs the cores
   its threads keep busy (CostModel.parallelism), the gateway and the
-  client one each. A prefill worker runs at niceness 10 (a tenth of the
+  client one each; a worker of several threads short of its cores runs at
+  one thread's pace at most, its threads waiting for each other. A prefill worker runs at niceness 10 (a tenth of the
   others' weight while they contend), and with a model too small for its
   steps to be arithmetic, only while its oldest prompt has waited less
   than a quarter of the TTFT SLO (pdrt/worker_profile.py).
@@ -267,7 +268,10 @@ class Simulation:
             sated = [w for w in active if left * w.weight / total >= w.cores]
             if not sated:
                 for w in active:
-                    speeds[id(w)] = left * w.weight / total / w.cores
+                    share = left * w.weight / total
+                    # A worker's threads wait for each other at every parallel region: one of them descheduled
+                    # holds the rest, so short of its cores it runs at most at one thread's pace.
+                    speeds[id(w)] = min(1.0, share) / w.cores
                 break
             for w in sated:
                 speeds[id(w)] = 1.0
