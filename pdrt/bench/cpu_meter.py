@@ -76,6 +76,12 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[11]) + int(fields[12])
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) that process `pid` has used so far; 0.0 once it is gone."""
+    stat = _stat(pid)
+    return stat[1] / TICKS_PER_S if stat else 0.0
+
+
 def _name(pid: int) -> str | None:
     """`prefill-0` for `python -m pdrt.process prefill-0`; for another Python program its module or script
     (`transformers` for `python .../bin/transformers serve`); None for `python -c` (how multiprocessing

@@ -20,7 +20,8 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}" if value >= 0.1 else f"{value * 1000:.1f}"
 
 
-def _dist(d: Distribution) -> list[str]:
+def latency_cells(d: Distribution) -> list[str]:
+    """p50, p90 and p99 of a latency, in milliseconds, for a table."""
     return [_ms(d.p50), _ms(d.p90), _ms(d.p99)]
 
 
@@ -30,7 +31,8 @@ HEADER = ["rate/s", "reqs", "fail", "attain", "ttft%", "tpot%", "ttft p50", "p90
 
 def _row(s: RateSummary) -> list[str]:
     return [f"{s.rate:g}", str(s.num_requests), str(s.num_failed), f"{s.attainment:.1%}",
-            f"{s.ttft_attainment:.0%}", f"{s.tpot_attainment:.0%}", *_dist(s.ttft), *_dist(s.tpot), *_dist(s.e2e),
+            f"{s.ttft_attainment:.0%}", f"{s.tpot_attainment:.0%}",
+            *latency_cells(s.ttft), *latency_cells(s.tpot), *latency_cells(s.e2e),
             f"{s.request_throughput:.2f}", f"{s.output_throughput:.1f}"]
 
 

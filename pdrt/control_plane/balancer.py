@@ -44,13 +44,15 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Info
 
+from pdrt.bench.runner import BenchOptions
 from pdrt.bench.stats import Slo
 from pdrt.bench.workloads import RequestShape
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.role_changes import SPLIT_ROLES, RoleChanges
 from pdrt.metrics.exposition import total
+from pdrt.planner.predict import simulate
 from pdrt.planner.profile import Profile
-from pdrt.planner.simulator import Deployment, Overheads, Simulation
+from pdrt.planner.simulator import Deployment, Overheads
 
 log = structlog.get_logger(__name__)
 
@@ -114,15 +116,10 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
         requests.append((now, shape(signals.mean_input, signals.mean_output)))
     requests.sort(key=lambda r: r[0])
     workers = signals.prefill + signals.decode
-    predicted = {}
-    for p in range(1, workers):
-        served = Simulation(costs, Deployment(prefill=p, decode=workers - p, threads=threads), cores,
-                            overheads, slo.ttft_s).run(requests)
-        met = sum(r.finished is not None and r.first_token - r.arrival <= slo.ttft_s
-                  and (r.shape.output_tokens <= 1
-                       or (r.finished - r.first_token) / (r.shape.output_tokens - 1) <= slo.tpot_s)
-                  for r in served)
-        predicted[(p, workers - p)] = met / len(served) if served else 1.0
+    options = BenchOptions(slo=slo)
+    predicted = {(p, workers - p): simulate(costs, Deployment(prefill=p, decode=workers - p, threads=threads),
+                                            cores, requests, options, rate, overheads).attainment
+                 for p in range(1, workers)}
     current = (signals.prefill, signals.decode)
     best = max(predicted, key=lambda s: (predicted[s], s == current))
     return Decision(best, predicted)
@@ -235,26 +232,29 @@ class Balancer:
         elif previous != best:
             why = f"{best[0]}P+{best[1]}D best ({figures}); waiting for the next evaluation to confirm"
             action = "wait"
-        elif now - self.last_change_at < 2 * self.interval_s or self.roles.pending:
+        elif self.roles.pending:
+            why = f"{best[0]}P+{best[1]}D best ({figures}); a role change is under way"
+            action = "wait"
+        elif now - self.last_change_at < 2 * self.interval_s:
             why = f"{best[0]}P+{best[1]}D best ({figures}); a change was made {now - self.last_change_at:.0f} s ago"
             action = "wait"
         else:
             role = "prefill" if best[0] > current[0] else "decode"
-            why = self._change(role, f"predicted {figures}")
-            action = "change" if why.startswith("moved") else "refused"
-            if action == "change":
+            started, why = self._change(role, f"predicted {figures}")
+            action = "change" if started else "refused"
+            if started:
                 self.last_change_at = now
         log.info("balancer decision", action=action, reason=why, signals=signals.describe())
         self._record(action, f"{why}; load {signals.describe()}")
         return action == "change"
 
-    def _change(self, role: str, reason: str) -> str:
-        """Move the least busy worker of the other role to `role`."""
+    def _change(self, role: str, reason: str) -> tuple[bool, str]:
+        """Move the least busy worker of the other role to `role`: whether the change began, and what happened."""
         other = next(r for r in SPLIT_ROLES if r != role)
         candidates = sorted(self.registry.by_role(other),
                             key=lambda e: (e.load.num_running + e.load.num_waiting, e.load.num_waiting_tokens))
         if not candidates:
-            return f"no {other} worker to move"
+            return False, f"no {other} worker to move"
         entry = candidates[0]
         refusal = self.roles.start(entry.process_id, role, f"balancer: {reason}")
-        return refusal or f"moved {entry.process_id} to {role} ({reason})"
+        return refusal is None, refusal or f"moved {entry.process_id} to {role} ({reason})"

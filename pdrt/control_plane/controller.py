@@ -221,7 +221,7 @@ class Controller(Actor):
         try:
             await stop.wait()
         finally:
-            for task in tasks:
+            for task in tasks + ([self.balancing] if self.balancing else []):
                 task.cancel()
             await ref.stop()
             await self.metrics_server.close()

@@ -53,10 +53,11 @@ def _deployments(workers: int, cores: int) -> list:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pdrt.bench.report import latency_cells
     from pdrt.bench.runner import BenchOptions
     from pdrt.bench.stats import Slo
     from pdrt.bench.workloads import LengthLimits
-    from pdrt.planner.predict import predict, requests_at, simulate
+    from pdrt.planner.predict import predict
     from pdrt.planner.profile import Profile, default_profile_path
     from pdrt.text_table import aligned
 
@@ -81,10 +82,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         prediction = predict(costs, d, cores, options, limits, overheads, args.rate or 1.0)
         row = [d.describe() + ("" if d.threads in measured else " (threads not measured)"),
                f"{prediction.goodput.rate:.3g}"]
-        if args.rate:
-            s = simulate(costs, d, cores, requests_at(options, args.rate, limits), options, args.rate, overheads)
-            row += [f"{s.attainment:.0%}"] + [_ms(getattr(s.ttft, p)) for p in ("p50", "p90", "p99")] \
-                + [_ms(getattr(s.tpot, p)) for p in ("p50", "p90", "p99")]
+        if args.rate:  # the ladder's first rate
+            s = prediction.at(args.rate)
+            assert s is not None
+            row += [f"{s.attainment:.0%}", *latency_cells(s.ttft), *latency_cells(s.tpot)]
         rows.append(row)
         if best is None or prediction.goodput.rate > best[1]:
             best = (d, prediction.goodput.rate)
@@ -93,10 +94,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"best: {best[0].describe()}, goodput {best[1]:.3g} req/s at {slo.ttft_s * 1e3:g} ms TTFT and "
           f"{slo.tpot_s * 1e3:g} ms TPOT ({args.workload if not args.trace else args.trace})")
     return 0
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def add_parsers(sub: "argparse._SubParsersAction") -> None:

@@ -22,12 +22,12 @@ request and per output token.
 """
 
 import asyncio
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from pdrt.bench.cpu_meter import cpu_seconds
 from pdrt.bench.driver import Target, make_driver
 from pdrt.bench.runner import BenchOptions, run_rate
 from pdrt.bench.stats import Slo
@@ -42,11 +42,6 @@ BATCH = 16
 # The heavier loads' rate: this many requests' worth of light-load latency in flight. Per token, the gateway and
 # the client spend less under load, where one wake-up reads many frames; goodput is decided near saturation.
 CPU_CONCURRENCY = 32
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _loads(address: str, gateway_pid: int) -> tuple[list, list, list[tuple[int, int, float, float]]]:
@@ -67,10 +62,10 @@ async def _loads(address: str, gateway_pid: int) -> tuple[list, list, list[tuple
         for answer in (ANSWER, 1):
             gap = e2e / CPU_CONCURRENCY
             requests = [(i * gap, RequestShape(PROMPT, answer)) for i in range(CPU_REQUESTS)]
-            gateway, client = _cpu_seconds(gateway_pid), time.process_time()
+            gateway, client = cpu_seconds(gateway_pid), time.process_time()
             run = await run_rate(driver, info, options, None, f"overheads-{answer}", requests=requests)
             cpu.append((len(run.records), sum(r.num_output_tokens for r in run.records),
-                        _cpu_seconds(gateway_pid) - gateway, time.process_time() - client))
+                        cpu_seconds(gateway_pid) - gateway, time.process_time() - client))
     finally:
         await driver.close()
     bad = [r.error for r in light.records + batch.records if not r.ok]

@@ -26,16 +26,17 @@ What it models, as pdrt runs (docs/architecture.md):
   sharing), as the kernel's scheduler shares them. A worker needs the cores
   its threads keep busy (CostModel.parallelism), the gateway and the
   client one each; a worker of several threads short of its cores runs at
-  one thread's pace at most, its threads waiting for each other. A prefill worker runs at niceness 10 (a tenth of the
-  others' weight while they contend), and with a model too small for its
-  steps to be arithmetic, only while its oldest prompt has waited less
-  than a quarter of the TTFT SLO (pdrt/worker_profile.py).
+  one thread's pace at most, its threads waiting for each other. A
+  prefill worker runs at niceness 10 (a tenth of the others' weight while
+  they contend), and with a model too small for its steps to be
+  arithmetic, only while its oldest prompt has waited less than a quarter
+  of the TTFT SLO (pdrt/worker_profile.py).
 * a chat turn whose conversation's previous turn has finished finds that
   turn's prompt and answer in the prefix cache.
 
 It does not model preemption (pools are taken as large enough), drafts,
-a decode worker's own prefills (conditional disaggregation), or the
-priority and thread lending of worker profiles.
+a decode worker's own prefills (conditional disaggregation), thread
+lending, or the step guard's demotions.
 """
 
 import heapq
@@ -63,10 +64,6 @@ class Deployment:
     threads: int = 1  # per worker
     chunk: int = 512  # a prompt's tokens per step in a colocated worker
     step_tokens: int = 2048
-
-    @property
-    def workers(self) -> int:
-        return self.prefill + self.decode + self.colocated
 
     def describe(self) -> str:
         if self.colocated:
@@ -281,8 +278,8 @@ class Simulation:
 
     # -- the clock ------------------------------------------------------------------------------------------
 
-    def run(self, requests: list[tuple[float, RequestShape]], until: float | None = None) -> list[SimRequest]:
-        """Serve `requests` ((arrival s, lengths), in arrival order) to the end, or until `until` seconds."""
+    def run(self, requests: list[tuple[float, RequestShape]]) -> list[SimRequest]:
+        """Serve `requests` ((arrival s, lengths), in arrival order) to the end."""
         reqs = [SimRequest(i, t, s) for i, (t, s) in enumerate(requests)]
         for req in reqs:
             self._timer(req.arrival, ("arrive", req))
@@ -296,7 +293,7 @@ class Simulation:
             next_step = min((w.work_left / speeds[id(w)] for w in busy), default=float("inf"))
             next_timer = self.timers[0][0] - self.now if self.timers else float("inf")
             dt = max(0.0, min(next_step, next_timer))
-            if dt == float("inf") or (until is not None and self.now + dt > until):
+            if dt == float("inf"):
                 break
             self.now += dt
             for w in busy:

@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import zmq
@@ -52,6 +53,7 @@ from pdrt.wire import (
     Error,
     Generate,
     Hello,
+    InternalMessage,
     KVPullRequest,
     Tokens,
     client_reply_decoder,
@@ -60,9 +62,8 @@ from pdrt.wire import (
 
 CLIENT_TAGS = ["hello", "generate", "cancel", "get_status", "draft_open", "draft_append", "draft_replace",
                "draft_submit", "draft_abandon", "warmup"]
-INTERNAL_TAGS = ["register", "registered", "heartbeat", "goodbye", "cluster_view", "process_lost", "prefill",
-                 "draft_update", "draft_submitted", "kv_handoff", "kv_ack", "abort", "withdraw", "withdrawn",
-                 "step_outputs", "request_failed", "error", "metrics_report", "metrics_view"]
+# Every internal message the wire knows, so that a message added to it is fuzzed from then on.
+INTERNAL_TAGS = [t.__struct_config__.tag for t in get_args(InternalMessage)]
 KV_TAGS = ["kv_pull", "kv_pull_reply"]
 HTTP_ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
                ("POST", "/v1/pdrt/drafts"), ("PUT", "/v1/pdrt/drafts/x"), ("POST", "/v1/pdrt/drafts/x/submit"),
