@@ -119,6 +119,12 @@ class RoleChangedError(PdrtError):
     code = "role_changed"
 
 
+class StreamMovedError(PdrtError):
+    """The decode worker a stream ran on sent it on to one with fewer streams (internal, as `role_changed`)."""
+
+    code = "stream_moved"
+
+
 class ConfigError(PdrtError):
     """A node config (TOML, flags, environment) that cannot be used."""
 

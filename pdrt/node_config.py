@@ -38,6 +38,7 @@ docs/configuration.md lists them all, with their defaults and why.
     max_model_len = 0                         # 0: the model's context
     device = "cpu"
     dtype = "auto"
+    speculate = "prompt_lookup"               # speculative decoding; "off", or a draft model's checkpoint
 
     [prefill]                                 # [decode] and [colocated] alike
     count = 1
@@ -123,6 +124,7 @@ class EngineSettings(_Table):
     max_model_len: NonNegative = 0  # 0: the model's context
     device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    speculate: str = "prompt_lookup"  # speculative decoding: "prompt_lookup", "off", or a draft model's checkpoint
 
 
 class WorkerGroup(_Table):
@@ -203,6 +205,10 @@ class NodeConfig(_Table):
         ClusterKey.parse(self.cluster_key)  # raises ConfigError for a malformed key
         if self.experimental.lease_s <= self.experimental.heartbeat_s:
             raise ConfigError("[experimental] lease_s must be longer than heartbeat_s")
+        speculate = self.engine.speculate
+        if speculate not in ("off", "prompt_lookup") and not Path(speculate).expanduser().exists():
+            raise ConfigError(f"[engine] speculate is 'prompt_lookup', 'off' or a draft model's checkpoint; "
+                              f"{speculate!r} is none of them")
         if self.node and not _NODE_NAME.fullmatch(self.node):
             raise ConfigError(f"node must be 1-32 letters, digits or '_', got {self.node!r}")
         if not self.process_names():
@@ -269,7 +275,7 @@ class NodeConfig(_Table):
                             prompt_batch_tokens=prompt_batch_tokens(self, role),
                             num_threads=self.threads_for(role), min_draft_chunk=x.min_draft_chunk,
                             min_draft_step=x.min_draft_step, max_draft_tokens=x.max_draft_tokens,
-                            max_draft_pool_fraction=x.max_draft_pool_fraction)
+                            max_draft_pool_fraction=x.max_draft_pool_fraction, speculate=self.engine.speculate)
 
     # -- (de)serialization ------------------------------------------------------
 

@@ -317,6 +317,14 @@ class RoleChanged(msgspec.Struct, **_struct("role_changed")):
     moved: int = 0
 
 
+class ShedStreams(msgspec.Struct, **_struct("shed_streams")):
+    """Controller -> a decode worker with more streams than another decode worker: send `count` of them on, as
+    continuations its gateways route to the decode worker with the fewest. `reason` is for the worker's log."""
+
+    count: int
+    reason: str = ""
+
+
 class SetRole(msgspec.Struct, **_struct("set_role")):
     """A holder of the cluster key (an operator's tool) -> controller: make `process_id` serve as `role`. The
     controller answers `Error` (code "invalid_request") when it cannot, else `RoleChanged` once it is done."""
@@ -445,8 +453,8 @@ class MetricsView(msgspec.Struct, **_struct("metrics_view")):
 
 
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | ProcessExited
-                   | ChangeRole | RoleChanged | SetRole | PrefillRequest | DraftUpdate | DraftSubmitted | KVHandoff
-                   | KVAck | Abort | Withdraw | Withdrawn
+                   | ChangeRole | RoleChanged | ShedStreams | SetRole | PrefillRequest | DraftUpdate | DraftSubmitted
+                   | KVHandoff | KVAck | Abort | Withdraw | Withdrawn
                    | StepOutputs | RequestFailed | Error | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)

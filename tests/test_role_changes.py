@@ -1,15 +1,19 @@
 """Workers of a disaggregated node change roles in place under a load of streams, on a real node with the tiny
 model: no stream is lost or changed (greedy and seeded sampling), the gateways route by the new roles, no KV
-block is left held, and a change that would leave a role without workers is refused."""
+block is left held, a change that would leave a role without workers is refused, and a worker killed during its
+change ends it unmade, its streams moved on."""
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.control_plane.set_role import set_role
-from pdrt.errors import InvalidRequestError
-from pdrt.testing.chaos import batch, run_streams
+from pdrt.errors import InvalidRequestError, PdrtError, WorkerLostError
+from pdrt.testing.chaos import batch, run_streams, wait_restarted
 from pdrt.testing.node import Node
 from pdrt.wire import RoleChanged
 from tests.system_client import node_status, used_blocks, wait_for
@@ -68,7 +72,6 @@ def test_the_last_decode_worker_cannot_change_and_a_prefill_worker_becomes_one_m
 
 
 def test_pdrt_role_changes_a_role_from_the_command_line(node):
-    import os
     import subprocess
     import sys
 
@@ -82,3 +85,29 @@ def test_pdrt_role_changes_a_role_from_the_command_line(node):
     assert roles(node)["decode-1"] == "decode"
     refused = pdrt_role("decode-1", "decode")
     assert refused.returncode == 2 and "is a decode worker already" in refused.stderr
+
+
+def test_a_worker_killed_during_its_role_change_loses_no_stream_and_the_operator_hears_at_once(node, streams,
+                                                                                               undisturbed):
+    async def stop_change_kill():
+        """decode-1 frozen, so that it gets ChangeRole and dies before it can answer."""
+        pid = node.child_pids()["decode-1"]
+        os.kill(pid, signal.SIGSTOP)
+        asked = asyncio.create_task(set_role(node.controller, KEY, "decode-1", "prefill"))
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        try:
+            return await asked
+        except PdrtError as exc:
+            return exc, time.monotonic(), pid
+
+    run = run_streams(node.address, streams, disturb=stop_change_kill)
+    error, answered_at, pid = run.disturbance
+    assert isinstance(error, WorkerLostError) and "died before it served as a prefill worker" in str(error)
+    assert answered_at - run.killed_at < 3.0  # the supervisor's word, not a timeout
+    assert not run.lost() and not run.hung() and run.results == undisturbed
+    wait_restarted(node, "decode-1", pid)
+    wait_for(lambda: roles(node) == {"prefill-0": "decode", "decode-0": "prefill", "decode-1": "decode"},
+             timeout_s=30)  # the new incarnation serves the role it was started as
+    assert run_streams(node.address, streams).results == undisturbed
+    wait_for(lambda: set(used_blocks(node).values()) == {0}, timeout_s=30, interval_s=0.2)

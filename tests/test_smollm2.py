@@ -1,5 +1,8 @@
 """The default model, SmolLM2-135M-Instruct: slow, and only where `pdrt model fetch` has run."""
 
+import inspect
+import textwrap
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -49,3 +52,19 @@ def test_smollm2_greedy_equals_generate(chats, expected, source):
     assert got == expected
     answer = engine.tokenizer.decode(got[0], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_smollm2_speculation_on_a_grounded_prompt_keeps_proposals_and_equals_generate():
+    from transformers import AutoTokenizer
+
+    source = inspect.getsource(textwrap.dedent)
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    ids = tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly.\n\n```python\n"
+                                    f"{source}```"}], add_generation_prompt=True, return_dict=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), attn_implementation="sdpa").eval()
+    t = torch.tensor([ids])
+    expected = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=96, do_sample=False)
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir()), num_blocks=256))
+    assert engine.generate([ids], SamplingParams(temperature=0, max_tokens=96)) == [expected[0, len(ids):].tolist()]
+    spec = engine.speculator
+    assert spec.num_accepted > 0.5 * spec.num_proposed and spec.num_decode_tokens > 2 * spec.num_decode_seq_steps

@@ -29,7 +29,8 @@ process and incarnation it names (`link_identity`), else it is dropped.
 
 A disaggregated node's workers change roles in place when an operator asks
 (`SetRole`, from any holder of the cluster key) or the balancer decides
-(pdrt/control_plane/role_changes.py).
+(pdrt/control_plane/role_changes.py), and a crowded decode worker sends
+streams on to the one with the fewest (pdrt/control_plane/stream_balance.py).
 
 Every process also reports its metrics (`MetricsReport`); the controller
 merges them (pdrt.metrics.aggregator), serves the result on its metrics port,
@@ -51,6 +52,7 @@ from pdrt.bench.stats import Slo
 from pdrt.control_plane.balancer import Balancer
 from pdrt.control_plane.link import link_identity
 from pdrt.control_plane.role_changes import RoleChanges
+from pdrt.control_plane.stream_balance import StreamBalance
 from pdrt.metrics.aggregator import MetricsAggregator
 from pdrt.metrics.metrics_server import MetricsServer
 from pdrt.node_config import NodeConfig
@@ -100,6 +102,8 @@ class Controller(Actor):
                                  config.threads_for("decode"), os.cpu_count() or 1, default_profile_path(config.model),
                                  self.metrics.registry)
         self.balancing: asyncio.Task | None = None
+        self.streams = StreamBalance(self.registry, self._send, lambda: set(self.roles.pending), c.balance,
+                                     config.gateway.tpot_slo_s, self.metrics.registry)
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         try:
@@ -114,6 +118,7 @@ class Controller(Actor):
 
     def _lost(self, entry: Entry, why: str) -> None:
         log.warning("process lost", process=entry.process_id, incarnation=entry.incarnation, why=why)
+        self.roles.lost(entry.process_id)
         for gateway in self.registry.by_role("gateway"):
             self._send(gateway.identity, ProcessLost(entry.process_id, entry.incarnation))
 
@@ -124,6 +129,7 @@ class Controller(Actor):
                     for entry in self.registry.expire():
                         self._lost(entry, "lease expired")
                 self.roles.expire()
+                self.streams.tick()
                 self._broadcast_view()
                 self._forward_metrics()
                 self.balancer.sample(self.metrics.snapshot, time.monotonic())
@@ -195,6 +201,7 @@ class Controller(Actor):
             self._broadcast_view()
         elif self.registry.remove(message.process_id, message.incarnation) is not None:  # Goodbye
             log.info("process left", process=message.process_id)
+            self.roles.lost(message.process_id)
             self._broadcast_view()
 
     async def _read(self, ref) -> None:

@@ -6,7 +6,9 @@ so the next cluster view routes by it; the worker gets `ChangeRole`, hands
 over what its old role held, and answers `RoleChanged`. The time between is
 the change's duration, logged and exported. A change is refused when the
 worker is not a prefill or decode worker, already has the role, is in the
-middle of a change, or is the last live worker of its role.
+middle of a change, or is the last live worker of its role. A worker that
+dies during its change ends it unmade: its next incarnation registers with
+the role it was started as.
 """
 
 import time
@@ -17,7 +19,8 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 
 from pdrt.control_plane.registry import Registry
-from pdrt.wire import ChangeRole, RoleChanged
+from pdrt.errors import WorkerLostError
+from pdrt.wire import ChangeRole, Error, RoleChanged
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +84,17 @@ class RoleChanges:
             return
         del self.pending[message.process_id]
         self._done(change, message)
+
+    def lost(self, process_id: str) -> None:
+        """The worker died or left during its change: the change ends unmade (a new incarnation registers with
+        the role it was started as), and the operator who asked hears so at once."""
+        change = self.pending.pop(process_id, None)
+        if change is None:
+            return
+        log.warning("a role change ended with its worker", process=process_id, role=change.role)
+        if change.requester is not None:
+            exc = WorkerLostError(f"{process_id} died before it served as a {change.role} worker")
+            self.send(change.requester, Error(exc.code, str(exc)))
 
     def expire(self) -> None:
         """Changes whose worker never answered (it died, or the answer was lost) end here."""

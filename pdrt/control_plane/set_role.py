@@ -2,7 +2,8 @@
 
 Only a holder of the cluster key reaches the controller; the answer is the
 worker's `RoleChanged` (with how many streams it moved), or an error that
-says why the change cannot be made.
+says why the change cannot be made (`invalid_request`) or why it did not
+finish (`worker_lost`: the worker died during it).
 """
 
 import asyncio
@@ -14,7 +15,7 @@ import zmq.asyncio
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, make_socket
-from pdrt.errors import InvalidRequestError, RequestTimeoutError
+from pdrt.errors import InvalidRequestError, RequestTimeoutError, error_classes
 from pdrt.wire import Error, RoleChanged, SetRole, encode, internal_decoder
 
 
@@ -33,7 +34,7 @@ async def set_role(controller_address: str, key: ClusterKey, process_id: str, ro
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
                 if isinstance(reply, Error):
-                    raise InvalidRequestError(reply.message)
+                    raise error_classes().get(reply.code, InvalidRequestError)(reply.message)
                 if isinstance(reply, RoleChanged):
                     return reply
     except TimeoutError:

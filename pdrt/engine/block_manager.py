@@ -135,6 +135,16 @@ class BlockManager:
             self.cached.setdefault(key, block.block_id)
             seq.block_hashes.append(key)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks of `seq` past those that hold its first `num_tokens` tokens (KV it computed ahead
+        and does not keep: never registered, as it lies past the sequence's computed tokens)."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Tail blocks are freed first so the LRU evicts them first."""
         for block_id in reversed(seq.block_table):

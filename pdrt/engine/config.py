@@ -46,6 +46,8 @@ class EngineConfig:
     min_draft_step: int = DEFAULT_MIN_DRAFT_STEP
     max_draft_tokens: int | None = None  # per draft; None: the context length
     max_draft_pool_fraction: float = 0.5
+    # Speculative decoding (pdrt/engine/speculation.py): "prompt_lookup", "off", or a draft model's checkpoint.
+    speculate: str = "prompt_lookup"
 
     def __post_init__(self) -> None:
         positive = {

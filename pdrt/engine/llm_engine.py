@@ -27,10 +27,12 @@ from pdrt.engine.kv_pool import KVLayout, KVPool
 from pdrt.engine.model_loader import LoadedModel, load_model
 from pdrt.engine.model_runner import ModelRunner
 from pdrt.engine.outputs import ImportReservation, RequestOutput
-from pdrt.engine.sampler import Sampler
+from pdrt.engine.proposers import DraftModel
+from pdrt.engine.sampler import Sampled, Sampler
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.engine.scheduler import DraftLimits, ScheduledBatch, Scheduler
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceMode, SequenceStatus
+from pdrt.engine.speculation import CALIBRATION_ROWS, Speculator, calibrated_cost, make_proposer
 from pdrt.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -81,13 +83,27 @@ class LLMEngine:
                                    config.prompt_batch_tokens)
         self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
         self.sampler = Sampler()
+        self.speculator = self._speculator(config)
         self.sequences: dict[str, Sequence] = {}
         self.num_computed_prompt_tokens = 0
         self.last_step_ran = False  # False when the last step found nothing it could schedule
         self.last_batch = ScheduledBatch()  # what the last step ran, for the worker's metrics
+        self.last_tokens_per_stream = 1.0  # tokens each decoding sequence got in the last step, on average
         self.num_draft_rollbacks = 0
         self.num_draft_tokens_rolled_back = 0
         self.num_draft_tokens_ahead = 0  # draft tokens whose KV was computed before submit
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        """Speculative decoding as `config.speculate` asks, its step cost timed on this model before any request
+        (the pool holds nothing yet)."""
+        proposer = make_proposer(config.speculate, config.device, config.dtype)
+        if proposer is None or self.pool.capacity_tokens < CALIBRATION_ROWS[1]:
+            return None
+        if isinstance(proposer, DraftModel) and proposer.model.config.vocab_size != self.vocab_size:
+            raise InvalidRequestError(f"the draft model's vocabulary ({proposer.model.config.vocab_size} tokens) "
+                                      f"is not the target's ({self.vocab_size})")
+        return Speculator(proposer, calibrated_cost(self.runner.forward_rows), self.block_manager,
+                          self.max_model_len, config.max_num_batched_tokens)
 
     @property
     def capacity_tokens(self) -> int:
@@ -273,6 +289,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """End a request wherever it is and free its blocks. Unknown ids are ignored."""
         seq = self.sequences.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -288,33 +306,88 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass: schedule, run the model, apply the sampled tokens."""
+        """One forward pass: schedule, propose, run the model, apply the sampled tokens."""
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
         self.last_batch = batch
         if batch.is_empty:
             return []
-        sample_seqs = batch.sample_seqs()
-        tokens, logprobs = self.sampler(self.runner.run(batch), sample_seqs)
-        return self._postprocess(batch, sample_seqs, tokens, logprobs)
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(batch)
+        rows, indices = self._sample_rows(batch)
+        sampled = self.sampler(self.runner.run(batch), rows, indices, want_top1=spec is not None)
+        outputs = self._postprocess(batch, sampled)
+        num_streams = len(batch.decode_samples)
+        decode_tokens = sum(len(o.new_token_ids) for o in outputs[:num_streams])
+        self.last_tokens_per_stream = decode_tokens / num_streams if num_streams else 1.0
+        if spec is not None:
+            spec.stepped(batch, decode_tokens, sampled.top1, rows)
+        return outputs
 
-    def _postprocess(self, batch: ScheduledBatch, sample_seqs: list[Sequence], tokens: list[int],
-                     logprobs: list[float] | None) -> list[RequestOutput]:
+    @staticmethod
+    def _sample_rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """The sequence and output index of each row whose logits the runner keeps, in its order."""
+        rows, indices = [], []
+        for seq in batch.decode_samples:
+            rows += [seq] * (1 + len(seq.proposal))
+            indices += range(seq.output_index, seq.output_index + 1 + len(seq.proposal))
+        for seq in batch.prefill_samples:
+            rows.append(seq)
+            indices.append(seq.output_index)
+        return rows, indices
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+        outputs, row = [], 0
+        sampling = {id(seq) for seq in batch.decode_samples}
         for seq in batch.decodes:
-            self._advance(seq, 1)
+            if id(seq) not in sampling:
+                self._advance(seq, 1)
+        for seq in batch.decode_samples:  # each decode's token, then the proposals it verified
+            num_rows = 1 + len(seq.proposal)
+            targets = sampled.tokens[row : row + num_rows]
+            accepted = self.speculator.accept(seq, targets) if seq.proposal else 0
+            new_tokens = seq.proposal[:accepted] + [targets[accepted]]
+            logprobs = sampled.logprobs[row : row + accepted + 1] if sampled.logprobs is not None else None
+            row += num_rows
+            # The KV of the decode's own token and of the proposals kept is the sequence's now.
+            self._take(seq, new_tokens, logprobs, num_computed=1 + accepted)
+            outputs.append(self._sampled_output(seq))
         for seq, n in batch.prefills:
             self._advance(seq, n)
-        outputs = []
-        for i, seq in enumerate(sample_seqs):
-            seq.token_ids.append(tokens[i])
+        for seq in batch.prefill_samples:
+            logprobs = sampled.logprobs[row : row + 1] if sampled.logprobs is not None else None
+            self._take(seq, [sampled.tokens[row]], logprobs)
+            row += 1
+            outputs.append(self._sampled_output(seq))
+        return outputs
+
+    def _sampled_output(self, seq: Sequence) -> RequestOutput:
+        """The output of a sequence that got tokens; a prefill-only one holds its KV from its first."""
+        if seq.mode is SequenceMode.PREFILL_ONLY and not seq.is_finished:
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.HELD
+        return self._output(seq)
+
+    def _take(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, num_computed: int = 0) -> None:
+        """Append `tokens` up to the first that stops `seq`; `num_computed` of its tokens got their KV this
+        step (after those appended before it: a block is registered in the prefix cache by its tokens). KV
+        past what the sequence keeps, a rejected proposal's, is rolled back: blocks only it used are freed."""
+        stop = None
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
             if logprobs is not None and seq.params.logprobs:
                 seq.output_logprobs.append(logprobs[i])
-            self._check_stop(seq)
-            if seq.mode is SequenceMode.PREFILL_ONLY and not seq.is_finished:
-                self.scheduler.remove(seq)
-                seq.status = SequenceStatus.HELD
-            outputs.append(self._output(seq))
-        return outputs
+            stop = self._stop(seq)
+            if stop is not None:
+                break
+        if num_computed:
+            self._advance(seq, min(num_computed, len(seq.token_ids) - seq.num_computed_tokens))
+        if stop is not None:
+            seq.stop_reason = stop[1]
+            self.scheduler.finish(seq, stop[0])
+        elif seq.proposal:
+            self.block_manager.trim(seq, seq.num_computed_tokens + 1)
 
     def _advance(self, seq: Sequence, n: int) -> None:
         """`n` more tokens of `seq` are in the pool now; register the blocks they filled."""
@@ -324,25 +397,22 @@ class LLMEngine:
         if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * self.block_manager.block_size:
             self.block_manager.cache_full_blocks(seq)
 
-    def _check_stop(self, seq: Sequence) -> None:
+    def _stop(self, seq: Sequence) -> tuple[FinishReason, str | int | None] | None:
+        """Whether the token just appended ends `seq`, why, and the stop token or string that did."""
         token = seq.token_ids[-1]
         params = seq.params
-        reason, stop_reason = None, None
         if token in self.eos_token_ids and not params.ignore_eos:
-            reason = FinishReason.STOP
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            reason, stop_reason = FinishReason.STOP, token
-        elif seq.detokenizer is not None:
+            return FinishReason.STOP, None
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        if seq.detokenizer is not None:
             delta = seq.detokenizer.add(token)
             stop_reason = seq.detokenizer.find_stop(len(delta))
             if stop_reason is not None:
-                reason = FinishReason.STOP
-        num_tokens = len(seq.token_ids)
-        if reason is None and (seq.output_index >= params.max_tokens or num_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
+                return FinishReason.STOP, stop_reason
+        if seq.output_index >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start = seq.num_prompt_tokens + seq.num_emitted_tokens
@@ -361,6 +431,8 @@ class LLMEngine:
         )
         if finished:
             del self.sequences[seq.request_id]
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
         return out
 
     # -- convenience ------------------------------------------------------

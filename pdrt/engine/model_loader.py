@@ -62,8 +62,9 @@ def _eos_token_ids(model: PreTrainedModel) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
-    """Load weights, tokenizer and limits; raise a typed error for anything unusable."""
+def load_model(path: str, device: str = "cpu", dtype: str = "auto", attention: str = ATTENTION_NAME) -> LoadedModel:
+    """Load weights, tokenizer and limits; raise a typed error for anything unusable. `attention` is pdrt's paged
+    attention, or transformers' own for a model that keeps its cache in transformers (a draft model)."""
     source, extra = _source(path)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True, **extra)
@@ -77,7 +78,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=ATTENTION_NAME, local_files_only=True, **extra
+            source, dtype=torch_dtype, attn_implementation=attention, local_files_only=True, **extra
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the weights at {path}: {exc}") from exc

@@ -40,7 +40,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Model inputs `[1, T]` (ids, positions), the rows whose logits to keep, and attention metadata.
 
-        Decode rows are built per sequence; a prefill chunk's positions and
+        Decode rows are built per token; a prefill chunk's positions and
         slots are computed with tensor ops from its block table, so no Python
         loop runs per prompt token.
         """
@@ -53,19 +53,22 @@ class ModelRunner:
         tables: list[int] = []
         decodes = batch.decodes
         max_blocks = max((len(s.block_table) for s in decodes), default=0)
+        # A decode is a row per token: its own, then any proposals it verifies (pdrt/engine/speculation.py),
+        # each attending to the rows before it as a later decode would.
         for seq in decodes:
             pos = seq.num_computed_tokens
             table = seq.block_table
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            lengths.append(pos + 1)
-            tables.extend(table)
-            tables.extend([0] * (max_blocks - len(table)))
-        if len(batch.decode_samples) == len(decodes):
-            keep.extend(range(len(decodes)))
-        else:
-            keep.extend(row for row, seq in enumerate(decodes) if seq.needs_sample_after(1))
+            padded = table + [0] * (max_blocks - len(table))
+            first = len(ids)
+            for p, token in enumerate([seq.token_ids[pos], *seq.proposal], start=pos):
+                ids.append(token)
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                lengths.append(p + 1)
+                tables.extend(padded)
+            if seq.needs_sample_after(1):
+                keep.extend(range(first, len(ids)))
+        num_decodes = len(ids)
         span_info = []
         for seq, n in batch.prefills:
             ctx = seq.num_computed_tokens
@@ -75,7 +78,6 @@ class ModelRunner:
             span_info.append((len(ids), n, ctx, len(tables), num_blocks))
             ids.extend(seq.token_ids[ctx : ctx + n])
             tables.extend(seq.block_table[:num_blocks])
-        num_decodes = len(decodes)
         packed = torch.frombuffer(array("q", ids + positions + slots + keep + lengths + tables), dtype=torch.long)
         ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
             [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
@@ -115,8 +117,20 @@ class ModelRunner:
         return PrefillSpan(start, start + n, ctx, block_ids, (cols > rows + ctx) * self.mask_value)
 
     @torch.inference_mode()
+    def forward_rows(self, num_rows: int) -> None:
+        """A forward pass over `num_rows` new tokens in the pool's first slots, outside any request: what a
+        step of that many rows costs. Only before the pool holds anything."""
+        ids = torch.zeros(1, num_rows, dtype=torch.long, device=self.device)
+        positions = self.columns[:num_rows].unsqueeze(0)
+        meta = AttentionMetadata(self.pool, self.workspace, self.columns[:num_rows], 0, None,
+                                 [PrefillSpan(0, num_rows, 0, None, None)])
+        self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=num_rows,
+                   pdrt_attention=meta)
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits `[num_sampled, vocab]` for `batch.sample_seqs()`, in that order."""
+        """Logits `[rows, vocab]` for the rows that sample: every row of each decode that samples (its token,
+        then its proposals'), then the last row of each prompt that ends in this step."""
         input_ids, positions, keep, meta = self.prepare(batch)
         if keep.numel() == input_ids.shape[1]:
             keep = 0  # every row is sampled: transformers keeps them all without an index copy

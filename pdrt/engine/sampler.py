@@ -1,4 +1,6 @@
-"""Turns the logits of one step into one token per sequence."""
+"""Turns the logits of one step into one token per row: a sequence's next token, or one it verifies."""
+
+from dataclasses import dataclass
 
 import torch
 
@@ -32,11 +34,24 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-class Sampler:
-    """Greedy rows take the argmax; the others are tempered, filtered, and drawn with a per-token seed."""
+@dataclass(slots=True)
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float] | None  # of each token under the raw model distribution, when any row asks
+    top1: list[float] | None  # the largest probability of each row's distribution (tempered), when asked
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
+
+class Sampler:
+    """Greedy rows take the argmax; the others are tempered, filtered, and drawn with a per-token seed.
+
+    A row is a sequence and the index of the output token it draws (`output_index`): a sequence verifying
+    proposed tokens has a row for each, and each row draws with its own index's seed, as it would have one
+    step at a time."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], output_indices: list[int] | None = None,
+                 want_top1: bool = False) -> Sampled:
         logits = logits.float()
+        indices = output_indices if output_indices is not None else [s.output_index for s in seqs]
         # max().indices, like argmax, picks the first of tied maxima, and is faster on CPU.
         tokens = logits.max(dim=-1).indices
         random_rows, wants_logprobs = [], False
@@ -44,16 +59,25 @@ class Sampler:
             if not s.params.is_greedy:
                 random_rows.append(i)
             wants_logprobs = wants_logprobs or s.params.logprobs
+        top1 = None
+        if want_top1:
+            top1 = logits.softmax(dim=-1).max(dim=-1).values
         if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
+            drawn, tempered_top1 = self._sample(logits[random_rows], [seqs[i] for i in random_rows],
+                                                [indices[i] for i in random_rows])
+            tokens[random_rows] = drawn
+            if top1 is not None:
+                top1[random_rows] = tempered_top1
         token_list = tokens.tolist()
         logprobs = None
         if wants_logprobs:
             # Log-probabilities of the raw model distribution, before temperature and filters.
             logprobs = logits.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        return token_list, logprobs
+        return Sampled(token_list, logprobs, None if top1 is None else top1.tolist())
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], indices: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draw, and the largest probability of its tempered, filtered distribution."""
         temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         logits = logits / temperature.unsqueeze(-1)
         top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
@@ -67,7 +91,7 @@ class Sampler:
         # row's noise comes from its own generator, seeded per output token.
         noise = torch.empty_like(probs)
         generator = torch.Generator(device=logits.device)
-        for row, seq in enumerate(seqs):
-            generator.manual_seed(draw_seed(seq.seed, seq.output_index))
+        for row, (seq, index) in enumerate(zip(seqs, indices, strict=True)):
+            generator.manual_seed(draw_seed(seq.seed, index))
             noise[row].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise).argmax(dim=-1), probs.max(dim=-1).values

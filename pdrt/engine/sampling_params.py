@@ -16,8 +16,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` disable
     those filters. `seed` makes sampling reproducible: the draw for output
     token i depends only on (seed, i) and the logits, so a request gives the
-    same tokens whatever batch it lands in, after preemption, and when its
-    prefill and decode run in different processes.
+    same tokens whatever batch it lands in, after preemption, when its
+    prefill and decode run in different processes, and with speculative
+    decoding on or off (`speculate`).
     """
 
     temperature: float = 1.0
@@ -29,6 +30,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    speculate: bool = True  # verify proposed tokens where the engine finds it pays; False: one token a step
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):

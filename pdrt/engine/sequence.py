@@ -62,6 +62,8 @@ class Sequence:
     # Demoted (Scheduler.demote): decoded in every `decode_every`-th step only, `num_skipped_steps` skipped so far.
     decode_every: int = 1
     num_skipped_steps: int = 0
+    # Tokens proposed for verification in the coming step, after its own (pdrt/engine/speculation.py).
+    proposal: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

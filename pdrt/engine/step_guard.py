@@ -43,12 +43,14 @@ class StepGuard:
         self.num_under = 0  # consecutive means under MARGIN times the SLO
         self.last_decode_at: float | None = None
 
-    def stepped(self, now: float, decoded: bool) -> None:
-        """After each engine step, at `now` (time.perf_counter()): one that `decoded` ends an interval."""
+    def stepped(self, now: float, decoded: bool, tokens_per_stream: float = 1.0) -> None:
+        """After each engine step, at `now` (time.perf_counter()): one that `decoded` ends an interval, in
+        which a decoding stream got `tokens_per_stream` tokens on average (more than one where proposed tokens
+        were kept): what it waits per token is the interval over that."""
         if not decoded:
             return
         if self.last_decode_at is not None:
-            self.observe(now - self.last_decode_at)
+            self.observe((now - self.last_decode_at) / max(tokens_per_stream, 1.0))
         self.last_decode_at = now
 
     def idle(self) -> None:

@@ -72,6 +72,7 @@ class ParamsBody(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # an extension vLLM also has: benchmarks force output lengths
+    speculate: bool | None = None  # a pdrt extension: false verifies no proposed tokens (one token a step)
     # Refused when set to anything but their neutral value (UNSUPPORTED_IF_SET).
     logit_bias: Any = None
     tools: Any = None
@@ -95,7 +96,7 @@ class ParamsBody(msgspec.Struct, kw_only=True):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, max_tokens=max_tokens,
-                              stop=stop, ignore_eos=bool(self.ignore_eos))
+                              stop=stop, ignore_eos=bool(self.ignore_eos), speculate=self.speculate is not False)
 
     @property
     def include_usage(self) -> bool:

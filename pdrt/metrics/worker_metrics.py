@@ -74,6 +74,8 @@ class WorkerMetrics:
                                             "hits excluded)", buckets=BYTE_BUCKETS, registry=r)
             self.borrowing_steps = Counter("pdrt_worker_borrowing_steps", "Steps run with threads borrowed from "
                                            "idle prefill workers on this host", registry=r)
+            self.streams_shed = Counter("pdrt_worker_streams_shed", "Streams sent on to a decode worker with fewer "
+                                        "streams, as the controller asked", registry=r)
         r.register(_EngineCollector(self, load))
 
     # -- hooks ----------------------------------------------------------------------
@@ -181,6 +183,17 @@ class _EngineCollector:
                                   value=scheduler.num_promotions)
         yield GaugeMetricFamily("pdrt_worker_demoted_streams", "Streams decoded less often than every step",
                                 value=len(scheduler.demoted))
+        spec = engine.speculator
+        if spec is not None:
+            yield CounterMetricFamily("pdrt_worker_spec_proposed_tokens", "Proposed tokens verified in decode steps",
+                                      value=spec.num_proposed)
+            yield CounterMetricFamily("pdrt_worker_spec_accepted_tokens", "Proposed tokens kept: the target model "
+                                      "made them", value=spec.num_accepted)
+            rate = spec.num_accepted / spec.num_proposed if spec.num_proposed else math.nan
+            yield GaugeMetricFamily("pdrt_worker_spec_acceptance_rate", "Kept / proposed tokens", value=rate)
+            per_step = spec.num_decode_tokens / spec.num_decode_seq_steps if spec.num_decode_seq_steps else math.nan
+            yield GaugeMetricFamily("pdrt_worker_spec_tokens_per_step", "Tokens a decoding stream gets per step",
+                                    value=per_step)
         if m.role in PREFILLING_ROLES:
             yield GaugeMetricFamily("pdrt_health_psi", "Prefill stability: mean/std of recent prefill times "
                                     "(target > 8)", value=prefill_stability(m.prefill_times))

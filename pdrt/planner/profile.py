@@ -190,7 +190,7 @@ def measure_profile(model: str, threads: list[int] | None = None, max_context: i
     for t in threads or thread_counts(cores):
         torch.set_num_threads(t)
         engine = LLMEngine(EngineConfig(model=model, kv_cache_memory_bytes=min(MAX_POOL_BYTES, needed),
-                                        block_size=BLOCK_SIZE, max_num_seqs=MAX_BATCH,
+                                        block_size=BLOCK_SIZE, max_num_seqs=MAX_BATCH, speculate="off",
                                         max_num_batched_tokens=1 << 16, max_prefill_chunk_size=1 << 16,
                                         max_model_len=max_context), loaded)
         max_len = engine.max_model_len

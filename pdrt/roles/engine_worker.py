@@ -48,7 +48,7 @@ from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
 from pdrt.engine.step_guard import StepGuard
-from pdrt.errors import KVPoolFullError, PdrtError, RoleChangedError, TransferError
+from pdrt.errors import KVPoolFullError, PdrtError, RoleChangedError, StreamMovedError, TransferError
 from pdrt.metrics.worker_metrics import WorkerMetrics
 from pdrt.node_config import NodeConfig
 from pdrt.priority import CatchUp, take_priority
@@ -61,7 +61,8 @@ from pdrt.worker_profile import log_profile, worker_profile
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5
-RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError)  # failures of this worker, not of the request
+# failures of this worker, not of the request
+RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError, StreamMovedError)
 # A draft without an update for this long belongs to a typist who paused (to
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
@@ -241,7 +242,8 @@ class EngineWorker(Actor):
                 started = time.perf_counter()
                 outputs = await loop.run_in_executor(self.executor, self._step)
                 self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
-                self.step_guard.stepped(time.perf_counter(), bool(self.engine.last_batch.decodes))
+                self.step_guard.stepped(time.perf_counter(), bool(self.engine.last_batch.decodes),
+                                        self.engine.last_tokens_per_stream)
                 if outputs:
                     self.emit(outputs)
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op

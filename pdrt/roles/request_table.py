@@ -28,6 +28,7 @@ from pdrt.errors import (
     PdrtError,
     RequestTimeoutError,
     RoleChangedError,
+    StreamMovedError,
     UnavailableError,
     WorkerLostError,
 )
@@ -316,7 +317,7 @@ class RequestTable:
         if req is None or not req.runs_on(message.process_id):
             return
         if message.retryable:
-            self._retry(req, counted=message.code != RoleChangedError.code)
+            self._retry(req, counted=message.code not in (RoleChangedError.code, StreamMovedError.code))
         else:
             self.end(req, Error(message.code, message.message, req.request_id), abort=True)
 

@@ -21,6 +21,12 @@ retryable `role_changed` failure, which the gateway turns into a
 continuation on another decode worker: the stream goes on unchanged).
 Prompts it was prefilling, and KV it holds for decode workers, finish as
 they would have. Then it tells the controller (`RoleChanged`).
+
+A decode worker the controller finds holding more streams than another
+(`ShedStreams`, pdrt/control_plane/stream_balance.py) sends some on the same
+way: those with the most tokens left to make, for the fewest tokens of
+context to prefill again, so that the move pays for itself soonest, and
+none about to end.
 """
 
 import time
@@ -29,7 +35,7 @@ import structlog
 import zmq.asyncio
 
 from pdrt.engine.outputs import RequestOutput
-from pdrt.errors import RoleChangedError
+from pdrt.errors import RoleChangedError, StreamMovedError
 from pdrt.metrics.worker_metrics import SPLIT_ROLES
 from pdrt.node_config import NodeConfig
 from pdrt.roles.engine_worker import EngineWorker
@@ -47,11 +53,14 @@ from pdrt.wire import (
     PrefillRequest,
     RequestFailed,
     RoleChanged,
+    ShedStreams,
     Withdraw,
 )
 from pdrt.worker_profile import log_profile, worker_profile
 
 log = structlog.get_logger(__name__)
+
+MIN_TOKENS_LEFT = 32  # a stream about to end is not worth a prefill elsewhere
 
 
 class SplitWorker(EngineWorker):
@@ -96,6 +105,8 @@ class SplitWorker(EngineWorker):
                 self._abort(rid)
             case ChangeRole(role=role, reason=reason) if role in SPLIT_ROLES:
                 self._change_role(role, reason)
+            case ShedStreams(count=count, reason=reason) if self.role == "decode" and count > 0:
+                self.queue_op("", lambda: self._shed(count, reason))
 
     def _bounce(self, request_id: str, reply_to: str) -> None:
         """A stream to decode that reached this worker after it stopped decoding: its gateway sends it on."""
@@ -169,6 +180,22 @@ class SplitWorker(EngineWorker):
             self.fail(rid, exc)
             moved += 1
         return moved
+
+    def _shed(self, count: int, reason: str) -> None:
+        """Between steps: send `count` decoding streams to other decode workers, as continuations."""
+        def worth(seq) -> float:
+            return (seq.params.max_tokens - seq.output_index) / seq.num_tokens
+
+        exc = StreamMovedError(f"{self.process_id} has more streams than another decode worker")
+        decoding = [seq for seq in self.engine.scheduler.running if seq.is_decoding and seq.request_id in self.reply_to
+                    and seq.request_id not in self.handoffs.requests and seq.request_id not in self.drafts
+                    and seq.params.max_tokens - seq.output_index >= MIN_TOKENS_LEFT]
+        shed = sorted(decoding, key=worth, reverse=True)[:count]
+        for seq in shed:
+            self.engine.abort(seq.request_id)
+            self.fail(seq.request_id, exc)
+        self.metrics.streams_shed.inc(len(shed))
+        log.info("streams sent on", process=self.process_id, asked=count, moved=len(shed), reason=reason)
 
     def close(self) -> None:
         self.imports.close()

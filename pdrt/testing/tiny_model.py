@@ -78,3 +78,22 @@ def build_wide_model(out_dir: Path) -> Path:
     while still a small model for pdrt's worker profiles: for benchmarks of how work is split across workers."""
     return build_tiny_model(out_dir, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
                             intermediate_size=1152)
+
+
+def build_deep_twin(model_dir: Path, out_dir: Path, num_layers: int = 16) -> Path:
+    """A model whose outputs equal `model_dir`'s exactly but whose steps cost more: its layers, then layers that
+    add nothing to the residual stream (their output projections are zero). The smaller model is then a draft
+    whose every greedy proposal the twin keeps, for tests of speculative decoding."""
+    small = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = small.config.to_dict()
+    config.update(num_hidden_layers=num_layers)
+    config.pop("layer_types", None)
+    twin = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    twin.load_state_dict(small.state_dict(), strict=False)
+    for layer in twin.model.layers[small.config.num_hidden_layers:]:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    out_dir = Path(out_dir)
+    twin.save_pretrained(out_dir)
+    PreTrainedTokenizerFast.from_pretrained(model_dir).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,121 @@
+"""How many proposed tokens each decoding sequence verifies in a step: as many as make the step pay.
+
+A decode step costs about `fixed + per_row * rows` seconds (`StepCost`,
+fitted on this engine's own steps): where reading the weights dominates
+(a small batch) rows are cheap, and where arithmetic does (a large batch, a
+CPU) each costs nearly as much as a stream's token. A sequence keeps its
+j-th proposed token with a probability of about a**j, where a is its
+acceptance estimate:
+
+* the recent acceptance rate of its proposals (an average over its last
+  verifications, starting at PRIOR), and
+* for a sampled sequence, at most the top-1 probability of the target's
+  recent (tempered) distributions for it: the token drawn is the proposed
+  one with at most that probability, so a flat distribution (high entropy)
+  keeps few proposals however often the text repeated before. A greedy
+  sequence keeps a proposal whenever it is the most likely token, however
+  sure the model is of it: its rate alone says.
+
+The gate adds proposed tokens, likeliest first, while each adds more
+expected tokens per second than the step yields without it: with E tokens
+expected from R rows, a token kept with probability p joins when
+p * cost(R) > per_row * E. Whatever is left is zero, and a sequence the
+gate has left out PROBE_EVERY steps in a row verifies one token, so that a
+stretch of copying is noticed again.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+PRIOR = 0.5  # acceptance rate of a sequence with no verification yet
+RATE_WEIGHT = 0.3  # of the newest verification in a sequence's acceptance rate
+TOP1_WEIGHT = 0.3  # of the newest distribution in a sequence's top-1 probability
+PROBE_EVERY = 16
+COST_WINDOW = 256  # decode steps in the cost fit
+
+
+@dataclass(slots=True)
+class SeqStats:
+    rate: float = PRIOR
+    top1: float = 1.0  # of its sampled distributions; stays 1.0 for a greedy sequence
+    steps_without: int = 0  # steps since it last verified a proposal
+
+
+class StepCost:
+    """Seconds of a decode step against its rows, fitted by least squares on recent steps; until they vary
+    enough, on two timed at start-up."""
+
+    def __init__(self, fixed_s: float, per_row_s: float) -> None:
+        self.prior = (fixed_s, max(per_row_s, 0.0))
+        self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.fixed_s, self.per_row_s = self.prior
+
+    @classmethod
+    def from_timings(cls, rows: tuple[int, int], seconds: tuple[float, float]) -> "StepCost":
+        per_row = (seconds[1] - seconds[0]) / (rows[1] - rows[0])
+        return cls(max(seconds[0] - per_row * rows[0], 0.0), per_row)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.steps.append((rows, seconds))
+        n = len(self.steps)
+        mean_r = sum(r for r, _ in self.steps) / n
+        var = sum((r - mean_r) ** 2 for r, _ in self.steps)
+        if var < n * 0.25:  # rows hardly varied: the slope is not in these steps
+            return
+        mean_s = sum(s for _, s in self.steps) / n
+        slope = sum((r - mean_r) * (s - mean_s) for r, s in self.steps) / var
+        self.per_row_s = max(slope, 0.0)
+        self.fixed_s = max(mean_s - self.per_row_s * mean_r, 0.0)
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed_s + self.per_row_s * rows
+
+
+class SpecGate:
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+        self.stats: dict[str, SeqStats] = {}
+
+    def acceptance(self, request_id: str) -> float:
+        s = self.stats.get(request_id)
+        return PRIOR if s is None else min(s.rate, s.top1)
+
+    def draft_lengths(self, available: dict[str, int], base_rows: int, budget: int) -> dict[str, int]:
+        """Tokens to verify per sequence, of the `available` proposals, in a step of `base_rows` rows without
+        them and at most `budget` more."""
+        lengths = dict.fromkeys(available, 0)
+        candidates = []  # (probability kept, request id, j)
+        for rid, num in available.items():
+            a = self.acceptance(rid)
+            candidates += [(a ** j, rid, j) for j in range(1, num + 1)]
+        candidates.sort(key=lambda c: -c[0])
+        rows, expected = base_rows, float(base_rows)
+        for p, rid, j in candidates:
+            if budget <= 0 or lengths[rid] != j - 1 or p * self.cost(rows) <= self.cost.per_row_s * expected:
+                continue
+            lengths[rid] = j
+            rows, expected, budget = rows + 1, expected + p, budget - 1
+        for rid, num in available.items():
+            s = self.stats.setdefault(rid, SeqStats())
+            if lengths[rid]:
+                s.steps_without = 0
+            elif num and budget > 0 and s.steps_without + 1 >= PROBE_EVERY:
+                lengths[rid], s.steps_without, budget = 1, 0, budget - 1
+            else:
+                s.steps_without += 1
+        return lengths
+
+    def verified(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verification's outcome: tokens past the first rejected one say nothing, so they do not count."""
+        s = self.stats.setdefault(request_id, SeqStats())
+        judged = min(proposed, accepted + 1)
+        s.rate += RATE_WEIGHT * (accepted / judged - s.rate)
+
+    def distribution(self, request_id: str, top1: float) -> None:
+        """The top-1 probability of the (tempered) distribution the target just drew this sampled sequence's
+        token from."""
+        s = self.stats.setdefault(request_id, SeqStats())
+        s.top1 += TOP1_WEIGHT * (top1 - s.top1)
+
+    def forget(self, request_id: str) -> None:
+        self.stats.pop(request_id, None)
