@@ -73,8 +73,9 @@ class Speculator:
         manager = self.block_manager
         available = {}
         for seq in batch.decode_samples:
-            if not seq.params.speculate or seq.decode_every > 1 or seq.mode is SequenceMode.PREFILL_ONLY:
-                continue  # opted out, demoted, or a prompt whose only token is its first
+            if not seq.params.speculate or seq.decode_every > 1 or seq.num_output_tokens == 0 \
+                    or seq.mode is SequenceMode.PREFILL_ONLY:
+                continue  # opted out, demoted, or a prompt's last token, which gives the first
             room = min(seq.params.max_tokens - seq.output_index, self.max_model_len - seq.num_tokens) - 1
             if room > 0:
                 available[seq.request_id] = min(room, self.proposer.available(seq))

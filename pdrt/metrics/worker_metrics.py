@@ -87,9 +87,10 @@ class WorkerMetrics:
             return
         now = time.perf_counter()
         self.step_seconds.observe(now - started)
-        if batch.decodes:
-            self.decode_steps.append(now - started)
-            self.recent_steps.append((now - started, bool(batch.prefills)))
+        if batch.decodes:  # what a stream waits per token: a step that gave it several counts for each
+            per_token = (now - started) / max(self.engine.last_tokens_per_stream, 1.0)
+            self.decode_steps.append(per_token)
+            self.recent_steps.append((per_token, bool(batch.prefills)))
         if batch.prefills:
             self.recent_prefills.append((now - started, sum(n for _, n in batch.prefills)))
         if borrowed_threads > 0:
