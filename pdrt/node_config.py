@@ -33,10 +33,12 @@ docs/configuration.md lists them all, with their defaults and why.
     balance_interval_s = 30.0
 
     [engine]                                  # every worker's engine
-    kv_cache_bytes = 1073741824               # KV pool per worker
+    kv_cache_bytes = 0                        # KV pool per worker; 0: 1 GiB on the CPU, what a GPU's memory leaves
     max_prefill_chunk_size = 512
     max_model_len = 0                         # 0: the model's context
-    device = "cpu"
+    device = "auto"                           # or cpu, cuda, cuda:N
+    gpus = ""                                 # GPUs the workers take one each in turn; "": every one
+    gpu_memory_utilization = 0.9
     dtype = "auto"
     speculate = "prompt_lookup"               # speculative decoding; "off", or a draft model's checkpoint
 
@@ -71,12 +73,13 @@ import msgspec
 from msgspec import Meta
 
 from pdrt.actors.cluster_key import ClusterKey
+from pdrt.devices import GPU_SHARING_ENV, resolve_device
 from pdrt.engine.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_PREFILL_CHUNK, EngineConfig
 from pdrt.errors import ConfigError
 from pdrt.worker_profile import prompt_batch_tokens
 
 MODES = ("disaggregated", "colocated")
-TRANSFERS = ("shm", "tcp", "auto")
+TRANSFERS = ("shm", "tcp", "auto", "cuda_ipc")
 WORKER_ROLES = ("prefill", "decode", "colocated")
 _NODE_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
 
@@ -119,10 +122,12 @@ class ControllerConfig(_Table):
 
 
 class EngineSettings(_Table):
-    kv_cache_bytes: Positive = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: NonNegative = 0  # 0: 1 GiB on the CPU; on a GPU what its memory leaves (pdrt/devices.py)
     max_prefill_chunk_size: Positive = DEFAULT_PREFILL_CHUNK
     max_model_len: NonNegative = 0  # 0: the model's context
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
+    device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)$")] = "auto"  # auto: CUDA where torch sees a GPU
+    gpus: Annotated[str, Meta(pattern=r"^[0-9, ]*$")] = ""  # the GPUs the workers take in turn; "": every one
+    gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9  # of each GPU, for weights, steps and KV
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     speculate: str = "prompt_lookup"  # speculative decoding: "prompt_lookup", "off", or a draft model's checkpoint
 
@@ -190,7 +195,7 @@ class NodeConfig(_Table):
     host: str = "127.0.0.1"
     node: str = ""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    transfer: Literal["shm", "tcp", "auto"] = "auto"
+    transfer: Literal["shm", "tcp", "auto", "cuda_ipc"] = "auto"
     cluster_key: str = ""  # pdrt/actors/cluster_key.py; `pdrt up` makes one per run when empty
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
@@ -205,6 +210,10 @@ class NodeConfig(_Table):
         ClusterKey.parse(self.cluster_key)  # raises ConfigError for a malformed key
         if self.experimental.lease_s <= self.experimental.heartbeat_s:
             raise ConfigError("[experimental] lease_s must be longer than heartbeat_s")
+        if self.engine.device == "auto":  # made concrete once, where the node starts: its processes get it so
+            self.engine.device = resolve_device("auto")
+        if self.transfer == "auto" and self.engine.device.startswith("cuda"):  # KV in device memory
+            self.transfer = "cuda_ipc"
         speculate = self.engine.speculate
         if speculate not in ("off", "prompt_lookup") and not Path(speculate).expanduser().exists():
             raise ConfigError(f"[engine] speculate is 'prompt_lookup', 'off' or a draft model's checkpoint; "
@@ -268,8 +277,13 @@ class NodeConfig(_Table):
 
     def engine_config(self, role: str) -> EngineConfig:
         e, x = self.engine, self.experimental
-        return EngineConfig(model=self.model, device=e.device, dtype=e.dtype, block_size=x.block_size,
-                            kv_cache_memory_bytes=e.kv_cache_bytes, max_model_len=e.max_model_len or None,
+        # A worker sees its own GPU alone (CUDA_VISIBLE_DEVICES, pdrt/devices.py): it is device 0 there.
+        device = "cuda" if e.device.startswith("cuda") else e.device
+        pool = e.kv_cache_bytes or (DEFAULT_KV_CACHE_BYTES if device == "cpu" else 0)
+        return EngineConfig(model=self.model, device=device, dtype=e.dtype, block_size=x.block_size,
+                            kv_cache_memory_bytes=pool, max_model_len=e.max_model_len or None,
+                            gpu_memory_utilization=e.gpu_memory_utilization,
+                            gpu_sharing=int(os.environ.get(GPU_SHARING_ENV, "1")),
                             max_num_seqs=x.max_num_seqs, max_num_batched_tokens=x.max_num_batched_tokens,
                             max_prefill_chunk_size=e.max_prefill_chunk_size, hash_seed=x.hash_seed,
                             prompt_batch_tokens=prompt_batch_tokens(self, role),
@@ -305,6 +319,7 @@ ENVIRONMENT = {
     "PDRT_PORT": ("gateway", "port"),
     "PDRT_CONTROLLER_PORT": ("controller", "port"),
     "PDRT_KV_CACHE_BYTES": ("engine", "kv_cache_bytes"),
+    "PDRT_DEVICE": ("engine", "device"),
     "PDRT_PREFILL_CHUNK": ("engine", "max_prefill_chunk_size"),
     "PDRT_WARMUP_KEY": ("warmup", "key"),
     "PDRT_WARMUP_PORT": ("warmup", "port"),

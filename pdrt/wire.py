@@ -242,6 +242,7 @@ class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):
     dtype: str
     host_id: str = ""
     tcp_address: str = ""
+    ipc_handle: bytes = b""  # a CUDA IPC source's (pdrt.transport.cuda_ipc.CudaHandle, encoded)
 
 
 class Register(msgspec.Struct, **_struct("register")):

@@ -82,7 +82,8 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
 
 @pytest.mark.parametrize(("toml", "where"), [
     ("[gateway]\nport = 0", "gateway.port"), ("[gateway]\nttft_slo_s = 0", "gateway.ttft_slo_s"),
-    ("[engine]\nkv_cache_bytes = 0", "engine.kv_cache_bytes"), ('[engine]\ndevice = "gpu"', "engine.device"),
+    ("[engine]\nkv_cache_bytes = -1", "engine.kv_cache_bytes"), ('[engine]\ndevice = "gpu"', "engine.device"),
+    ("[engine]\ngpu_memory_utilization = 1.5", "engine.gpu_memory_utilization"),
     ('[engine]\ndtype = "int4"', "engine.dtype"), ("[decode]\ncount = -1", "decode.count"),
     ("[experimental]\nprefill_nice = 20", "experimental.prefill_nice"),
     ("[experimental]\nlocal_prefill_max_slowdown = 0.9", "experimental.local_prefill_max_slowdown"),

@@ -98,9 +98,6 @@ def run_systemd(args: argparse.Namespace) -> int:
     if not config.cluster_key:
         _warn(f"every process needs the cluster key: put PDRT_CLUSTER_KEY=... (from `pdrt key`, the same on every "
               f"node) in the EnvironmentFile ({opts.env_file or 'none given: pass --env-file'}), mode 0600")
-    if config.engine.device.startswith("cuda") and config.mode == "disaggregated" and config.prefill.count:
-        _warn("a prefill worker's KV pool is host memory from its KV source (shm, tcp, auto), while [engine] "
-              "device is cuda: prefill workers on a GPU are not supported yet (docs/deploy.md)")
     ours = f"pdrt.deploy.cleanup {opts.run_id} "  # in every unit generated for this node before
     stale = sorted(p.name for p in out.glob(f"{args.prefix}-*.service")
                    if p.name not in units and p.read_text().startswith(HEADER) and ours in p.read_text())

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdrt.cpu_placement import worker_cores
+from pdrt.devices import check_device_support
 from pdrt.errors import ConfigError
 from pdrt.node_config import ENVIRONMENT, SECRET_ENVIRONMENT, NodeConfig, role_of
 
@@ -231,6 +232,7 @@ def render_target(config: NodeConfig, opts: UnitOptions) -> str:
 
 def render_units(config: NodeConfig, opts: UnitOptions) -> dict[str, str]:
     """File name -> contents: one service per process of the node, then the target."""
+    check_device_support(config.engine.device, config.mode, config.worker_counts(), config.transfer)
     if opts.gpus and not config.engine.device.startswith("cuda"):
         raise ConfigError(f"GPUs given for workers whose [engine] device is {config.engine.device!r}; "
                           "set device = \"cuda\"")

@@ -33,7 +33,7 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES  # 0 on a GPU: what its memory leaves (pdrt/devices.py)
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -46,6 +46,8 @@ class EngineConfig:
     min_draft_step: int = DEFAULT_MIN_DRAFT_STEP
     max_draft_tokens: int | None = None  # per draft; None: the context length
     max_draft_pool_fraction: float = 0.5
+    gpu_memory_utilization: float = 0.9  # of the GPU, shared by `gpu_sharing` workers, when the pool is sized by it
+    gpu_sharing: int = 1
     # Speculative decoding (pdrt/engine/speculation.py): "prompt_lookup", "off", or a draft model's checkpoint.
     speculate: str = "prompt_lookup"
 
@@ -55,13 +57,15 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_prefill_chunk_size": self.max_prefill_chunk_size,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "min_draft_chunk": self.min_draft_chunk,
             "min_draft_step": self.min_draft_step,
         }
         for name, value in positive.items():
             if value < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {value}")
+        if self.kv_cache_memory_bytes < (0 if self.device.startswith("cuda") else 1):
+            raise InvalidRequestError(f"kv_cache_memory_bytes must be >= 1 (0 on a GPU: sized from its memory), "
+                                      f"got {self.kv_cache_memory_bytes}")
         if self.prompt_batch_tokens is not None and self.prompt_batch_tokens < 0:
             raise InvalidRequestError(f"prompt_batch_tokens must be >= 0, got {self.prompt_batch_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
+from pdrt.devices import activation_reserve_bytes, gpu_pool_bytes
 from pdrt.engine.block_manager import BlockManager
 from pdrt.engine.config import EngineConfig
 from pdrt.engine.detokenizer import IncrementalDetokenizer
@@ -34,6 +35,7 @@ from pdrt.engine.scheduler import DraftLimits, ScheduledBatch, Scheduler
 from pdrt.engine.sequence import FinishReason, Sequence, SequenceMode, SequenceStatus
 from pdrt.engine.speculation import CALIBRATION_ROWS, Speculator, calibrated_cost, make_proposer
 from pdrt.errors import (
+    ConfigError,
     DuplicateRequestError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -63,13 +65,16 @@ class LLMEngine:
         self.vocab_size = int(model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or self.loaded.context_length, self.loaded.context_length)
         layout = KVLayout.for_model(model_config, config.block_size, self.loaded.model.dtype)
-        num_blocks = config.num_blocks or layout.num_blocks_for_bytes(config.kv_cache_memory_bytes)
+        pool_bytes = config.kv_cache_memory_bytes or self._gpu_pool_bytes(config, layout)
+        num_blocks = config.num_blocks or layout.num_blocks_for_bytes(pool_bytes)
         if num_blocks < 1:
-            raise InvalidRequestError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
-                                      f"of {layout.bytes_per_block} bytes")
+            raise InvalidRequestError(f"a KV pool of {pool_bytes} bytes holds no block of {layout.bytes_per_block}")
         storage = None
         if kv_allocator is not None:
             storage = kv_allocator(KVPool.shape_for(layout, num_blocks), layout.dtype)
+            if storage.device != torch.device(config.device):
+                raise ConfigError(f"the KV transfer backend keeps the pool on {storage.device}, the model is on "
+                                  f"{config.device}: no backend of this version hands over KV in device memory")
         self.pool = KVPool(layout, num_blocks, device=config.device, storage=storage)
         log.info("kv pool ready", blocks=num_blocks, block_size=config.block_size,
                  capacity_tokens=self.pool.capacity_tokens, bytes=self.pool.num_bytes, dtype=str(layout.dtype))
@@ -92,6 +97,21 @@ class LLMEngine:
         self.num_draft_rollbacks = 0
         self.num_draft_tokens_rolled_back = 0
         self.num_draft_tokens_ahead = 0  # draft tokens whose KV was computed before submit
+
+    def _gpu_pool_bytes(self, config: EngineConfig, layout: KVLayout) -> int:
+        """The pool a GPU's memory leaves this worker once its weights are loaded (pdrt/devices.py)."""
+        model_config = self.loaded.model.config
+        free, total = torch.cuda.mem_get_info()
+        used = torch.cuda.memory_allocated()
+        reserve = activation_reserve_bytes(config.max_num_batched_tokens, model_config.hidden_size,
+                                           model_config.intermediate_size, self.vocab_size,
+                                           layout.dtype.itemsize)
+        pool = min(gpu_pool_bytes(total, config.gpu_memory_utilization, config.gpu_sharing, used, reserve),
+                   free - reserve)
+        log.info("kv pool sized from GPU memory", total_bytes=total, free_bytes=free, weights_bytes=used,
+                 reserve_bytes=reserve, utilization=config.gpu_memory_utilization, sharing=config.gpu_sharing,
+                 pool_bytes=pool)
+        return pool
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         """Speculative decoding as `config.speculate` asks, its step cost timed on this model before any request
@@ -370,9 +390,10 @@ class LLMEngine:
         return self._output(seq)
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None, num_computed: int = 0) -> None:
-        """Append `tokens` up to the first that stops `seq`; `num_computed` of its tokens got their KV this
-        step (after those appended before it: a block is registered in the prefix cache by its tokens). KV
-        past what the sequence keeps, a rejected proposal's, is rolled back: blocks only it used are freed."""
+        """Append `tokens` up to the first that stops `seq`. A decode's `num_computed` tokens from its first
+        uncomputed one got their KV this step (its own and the proposals kept); they count once the tokens are
+        appended, as the prefix cache registers a full block by its tokens. KV past them, a rejected
+        proposal's, is rolled back: blocks only it used are freed."""
         stop = None
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)

@@ -60,7 +60,6 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_proposed = 0
         self.num_accepted = 0
-        self.num_verify_rows = 0  # rows of sequences that verified proposals (their own token included)
         self.num_decode_tokens = 0  # tokens decode rows gave their sequences
         self.num_decode_seq_steps = 0  # one per decoding sequence per step
         self.step_started = 0.0
@@ -107,7 +106,6 @@ class Speculator:
         if proposal:
             self.num_proposed += len(proposal)
             self.num_accepted += accepted
-            self.num_verify_rows += len(proposal) + 1
             self.gate.verified(seq.request_id, len(proposal), accepted)
         return accepted
 

@@ -40,6 +40,7 @@ import msgspec
 import structlog
 
 from pdrt.actors.cluster_key import ClusterKey
+from pdrt.devices import process_environments
 from pdrt.node_config import NodeConfig
 from pdrt.process import EXIT_PERMANENT
 from pdrt.supervisor import leftovers
@@ -82,6 +83,9 @@ class Supervisor:
                  stop_timeout_s: float = 10.0) -> None:
         self.config = config
         self.run_id = run_id
+        e = config.engine
+        self.environments = process_environments(e.device, e.gpus, config.mode, config.worker_counts(),
+                                                 config.transfer, config.process_names())  # refuses what cannot run
         self.command_for = command_for
         self.policy = policy
         self.ready_timeout_s = ready_timeout_s
@@ -134,10 +138,11 @@ class Supervisor:
         env = {**os.environ, "PDRT_NODE_CONFIG": str(config_path), "PDRT_RUN_ID": self.run_id,
                "PDRT_RUN_DIR": str(run_dir)}
         self.run_dir = run_dir
-        self.children = [Child(name, self.command_for(name), env, self.policy)
+        self.children = [Child(name, self.command_for(name), {**env, **self.environments[name]}, self.policy)
                          for name in self.config.process_names()]
         self._log.info("starting node", mode=self.config.mode, processes=[c.name for c in self.children],
-                       config=str(config_path))
+                       config=str(config_path), device=self.config.engine.device,
+                       gpus={name: v["CUDA_VISIBLE_DEVICES"] for name, v in self.environments.items() if v} or None)
         for child in self.children:
             self._start(child, time.monotonic())
 

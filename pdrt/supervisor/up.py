@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, help="KV pool size of each worker")
     parser.add_argument("--prefill-chunk", type=int, help="largest prefill chunk, in tokens")
     parser.add_argument("--transfer", choices=TRANSFERS, help="KV handoff backend")
+    parser.add_argument("--device", help="auto (default: CUDA where torch sees a GPU), cpu, cuda or cuda:N")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="S",
                         help="give up when the node is not ready after S seconds (default 300)")
 
@@ -37,6 +38,7 @@ def config_overrides(args: argparse.Namespace) -> dict[tuple[str, ...], object]:
         ("engine", "kv_cache_bytes"): args.kv_cache_bytes,
         ("engine", "max_prefill_chunk_size"): args.prefill_chunk,
         ("transfer",): args.transfer,
+        ("engine", "device"): args.device,
     }
 
 

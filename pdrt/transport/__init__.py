@@ -22,6 +22,7 @@ _BACKENDS: dict[TransferBackend, tuple[str, str, str]] = {
     TransferBackend.SHM: ("pdrt.transport.shm", "ShmSource", "ShmPuller"),
     TransferBackend.TCP: ("pdrt.transport.tcp", "TcpSource", "TcpPuller"),
     TransferBackend.AUTO: ("pdrt.transport.auto", "AutoSource", "AutoPuller"),
+    TransferBackend.CUDA_IPC: ("pdrt.transport.cuda_ipc", "CudaIpcSource", "CudaIpcPuller"),
 }
 
 
