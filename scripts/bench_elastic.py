@@ -9,6 +9,9 @@ and seeds) go to:
     2 prefill + 1 decode, with the balancer off;
   * the default split with the balancer on ([controller] balance, interval --interval), starting as 1P+2D.
 
+The rate is found first, on this host, unless --rate gives it: the highest of RATE_LADDER at which the
+default split still attains 80% of a shorter run of the same load (calibrate_rate).
+
 Per system: SLO attainment over the whole run and per phase, TTFT p95, and the role changes it made. The
 balancer reads this host's profile of the model (`pdrt profile`, measured first unless --profile gives one).
 `pdrt plan`'s simulator predicts the attainment of each static split over the same requests; the error of
@@ -48,6 +51,9 @@ from pdrt.planner.simulator import Deployment  # noqa: E402
 from pdrt.testing.node import Node, free_port  # noqa: E402
 
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
+RATE_LADDER = (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
+CALIBRATION_ATTAINMENT = 0.8  # the default split just holds the load: where a better split has room to show
+CALIBRATION_SHORTER = 4  # calibration phases are this much shorter than the measured ones
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
 
 
@@ -114,6 +120,29 @@ def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interva
     return result
 
 
+def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
+                   lengths: tuple[int, int, int, int]) -> float:
+    """The rate to offer: the highest of RATE_LADDER at which the default split, on a shorter run of the same
+    shifting load, still attains CALIBRATION_ATTAINMENT. The host sets it, measured at the start of the run:
+    a fixed rate near a node's knee swings every system's attainment as the host's speed drifts."""
+    chosen = RATE_LADDER[0]
+    node = Node(workdir / "calibration", model, extra={
+        "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
+        "controller": {"balance": False, "metrics_port": free_port()},
+        "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
+    with node:
+        asyncio.run(drive(node.address, [(0.05 * i, RequestShape(64, 8)) for i in range(5)], Slo(60, 60), seed))
+        for rate in RATE_LADDER:
+            requests = workload(rate, phase_s, seed + 500, lengths)
+            records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed + 500))
+            attainment = summarize(records, 0.0, slo).attainment
+            log(f"calibration: {rate:g} req/s, the default split attains {attainment:.0%}")
+            if attainment < CALIBRATION_ATTAINMENT:
+                break
+            chosen = rate
+    return chosen
+
+
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo) -> float:
     prefill, decode, _ = SYSTEMS[name]
     options = BenchOptions(slo=slo)
@@ -126,7 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="wide", help="checkpoint directory, 'wide' (default) or 'tiny'")
     parser.add_argument("--profile", help="a saved profile of the model on this host (default: measure one)")
-    parser.add_argument("--rate", type=float, default=4.0, help="requests/s throughout (default 4)")
+    parser.add_argument("--rate", type=float, help="requests/s throughout (default: found on this host, see "
+                        "calibrate_rate)")
     parser.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase (default 40)")
     parser.add_argument("--interval", type=float, default=3.0, help="the balancer's interval, s (default 3)")
     parser.add_argument("--ttft-slo", type=float, default=0.5)
@@ -148,6 +178,8 @@ def main() -> None:
     profile = Profile.load(Path(args.profile)) if args.profile else profile_model(model, log=log)
     profile.save(default_profile_path(model))
     slo = Slo(args.ttft_slo, args.tpot_slo)
+    if args.rate is None:
+        args.rate = calibrate_rate(workdir, model, slo, args.phase_s / CALIBRATION_SHORTER, args.seed, lengths)
     print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
           f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; SLOs TTFT {slo.ttft_s * 1e3:g} ms, TPOT "
           f"{slo.tpot_s * 1e3:g} ms; balancer interval {args.interval:g} s", flush=True)

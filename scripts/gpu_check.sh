@@ -11,6 +11,8 @@ python3 -m venv "$venv"
 pip install -q --upgrade pip
 pip install -q torch                       # the default Linux wheel is a CUDA build
 pip install -q -e '.[gpu,test]'
+# FlashInfer's paged kernels (prebuilt ones where the wheel has them); without it attention falls back to SDPA
+pip install -q flashinfer-python flashinfer-cubin || echo "FlashInfer did not install: attention will use SDPA"
 python -c 'import torch, sys; ok = torch.cuda.is_available(); print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPU", torch.cuda.get_device_name(0) if ok else None); sys.exit(0 if ok else 1)'
 pdrt model fetch >/dev/null
 python -m pytest -q -m gpu tests/

@@ -8,7 +8,8 @@ float32, all decodes are served by one call of a compiled kernel that reads
 their blocks in place (pdrt/engine/cpu_attention.py); elsewhere, by one
 batched SDPA call over their gathered blocks with a length mask. Either way no
 Python loop runs per decode sequence. Prefill chunks, few and large, get one
-SDPA call each. Step-wide metadata (slots, tables, gather indices, masks) is
+SDPA call each. On a GPU in float16 or bfloat16, FlashInfer's paged kernels
+serve both instead (pdrt/engine/paged_kernels.py). Step-wide metadata (slots, tables, gather indices, masks) is
 built once per step by the model runner and reused by every layer.
 """
 
@@ -20,6 +21,7 @@ from transformers import AttentionInterface
 
 from pdrt.engine.cpu_attention import PagedDecodeKernel
 from pdrt.engine.kv_pool import KVPool
+from pdrt.engine.paged_kernels import PagedKernels
 
 ATTENTION_NAME = "pdrt_paged"
 
@@ -99,6 +101,7 @@ class AttentionMetadata:
     num_decodes: int
     decode: DecodeGather | DecodeTables | None
     prefills: list[PrefillSpan]
+    kernels: PagedKernels | None = None  # FlashInfer, planned for this step (pdrt/engine/paged_kernels.py)
 
 
 def _gather(meta: AttentionMetadata, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +149,17 @@ def _prefill_attention(meta: AttentionMetadata, layer: int, span: PrefillSpan, q
     return out[0].transpose(0, 1)
 
 
+def _kernel_attention(kernels: PagedKernels, num_decodes: int, layer: int, q: torch.Tensor) -> torch.Tensor:
+    """`q` `[T, heads, head_dim]`, decode rows first -> `[T, heads, head_dim]`, through FlashInfer."""
+    if not kernels.has_prefills:
+        return kernels.decode(layer, q)
+    out = torch.empty_like(q)
+    if kernels.has_decodes:
+        out[:num_decodes] = kernels.decode(layer, q[:num_decodes])
+    out[num_decodes:] = kernels.prefill(layer, q[num_decodes:])
+    return out
+
+
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
@@ -156,6 +170,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         scaling = query.shape[-1] ** -0.5
     meta.pool.k_slots[layer].index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
     meta.pool.v_slots[layer].index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    if meta.kernels is not None:
+        return _kernel_attention(meta.kernels, meta.num_decodes, layer, query[0].transpose(0, 1)).unsqueeze(0), None
     if not meta.prefills:
         return _decode_attention(meta, layer, query, scaling).unsqueeze(0), None
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])

@@ -7,6 +7,7 @@ import torch
 from pdrt.engine import cpu_attention
 from pdrt.engine.attention import AttentionMetadata, DecodeGather, DecodeTables, GatherWorkspace, PrefillSpan
 from pdrt.engine.kv_pool import KVPool
+from pdrt.engine.paged_kernels import PagedKernels, page_table
 from pdrt.engine.scheduler import ScheduledBatch
 
 
@@ -33,6 +34,7 @@ class ModelRunner:
                                          layout.dtype, self.device)
         self.decode_kernel = cpu_attention.load() if cpu_attention.supports(self.device, self.dtype,
                                                                             layout.head_dim) else None
+        self.kernels = PagedKernels.load(pool, model.config.num_attention_heads)  # FlashInfer on a GPU
         # Sliced for length masks. A decode's padded length may round up past
         # max_model_len to a whole block.
         self.columns = torch.arange(max_model_len + self.block_size, device=self.device)
@@ -69,6 +71,8 @@ class ModelRunner:
             if seq.needs_sample_after(1):
                 keep.extend(range(first, len(ids)))
         num_decodes = len(ids)
+        if self.kernels is not None:
+            self._plan_kernels(batch, tables, lengths, max_blocks)
         span_info = []
         for seq, n in batch.prefills:
             ctx = seq.num_computed_tokens
@@ -82,14 +86,16 @@ class ModelRunner:
         ids_t, pos_t, slots_t, keep_t, lengths_t, tables_t = packed.to(self.device).split(
             [len(ids), num_decodes, num_decodes, len(keep), num_decodes, len(tables)])
         # Size the gather workspace for the step's largest gather once, before any view into it is taken.
-        # (A chunk with no context attends over its own fresh K/V and gathers nothing; nor does the kernel.)
-        decode_gather = 0 if self.decode_kernel else num_decodes * max_blocks
-        self.workspace.buffers(max([decode_gather] + [nb for _, _, ctx, _, nb in span_info if ctx]))
+        # (A chunk with no context attends over its own fresh K/V and gathers nothing; nor do the kernels,
+        # which read blocks where they lie.)
+        gathers = self.kernels is None
+        decode_gather = 0 if self.decode_kernel or not gathers else num_decodes * max_blocks
+        self.workspace.buffers(max([decode_gather] + [nb for _, _, ctx, _, nb in span_info if ctx and gathers]))
         decode = None
-        if num_decodes and self.decode_kernel:
+        if num_decodes and gathers and self.decode_kernel:
             decode = DecodeTables(self.decode_kernel, tables_t[: num_decodes * max_blocks].view(num_decodes, -1),
                                   lengths_t, max(lengths))
-        elif num_decodes:
+        elif num_decodes and gathers:
             mask = None
             if any(n != max_blocks * bs for n in lengths):
                 # An additive float mask: SDPA's CPU kernel would convert a boolean one in every layer.
@@ -104,10 +110,21 @@ class ModelRunner:
                 block_ids = tables_t[at : at + num_blocks]
                 all_positions.append(self.columns[ctx : ctx + n])
                 all_slots.append((block_ids.unsqueeze(1) * bs + self.columns[:bs]).view(-1)[ctx : ctx + n])
-                spans.append(self._span(start, n, ctx, block_ids))
+                if gathers:
+                    spans.append(self._span(start, n, ctx, block_ids))
             pos_t, slots_t = torch.cat(all_positions), torch.cat(all_slots)
-        meta = AttentionMetadata(self.pool, self.workspace, slots_t, num_decodes, decode, spans)
+        meta = AttentionMetadata(self.pool, self.workspace, slots_t, num_decodes, decode, spans, self.kernels)
         return ids_t.unsqueeze(0), pos_t.unsqueeze(0), keep_t, meta
+
+    def _plan_kernels(self, batch: ScheduledBatch, tables: list[int], lengths: list[int], max_blocks: int) -> None:
+        """Plan FlashInfer's step: the decode rows (padded tables, one per row) and the prefill chunks."""
+        rows = [tables[i * max_blocks : (i + 1) * max_blocks] for i in range(len(lengths))]
+        decode = page_table(rows, lengths, self.block_size) if lengths else None
+        prefill = None
+        if batch.prefills:
+            prefill = page_table([seq.block_table for seq, _ in batch.prefills],
+                                 [seq.num_computed_tokens + n for seq, n in batch.prefills], self.block_size)
+        self.kernels.plan(decode, prefill, [n for _, n in batch.prefills])
 
     def _span(self, start: int, n: int, ctx: int, block_ids: torch.Tensor) -> PrefillSpan:
         if not ctx:

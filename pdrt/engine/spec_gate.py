@@ -19,9 +19,9 @@ acceptance estimate:
 The gate adds proposed tokens, likeliest first, while each adds more
 expected tokens per second than the step yields without it: with E tokens
 expected from R rows, a token kept with probability p joins when
-p * cost(R) > per_row * E. Whatever is left is zero, and a sequence the
-gate has left out PROBE_EVERY steps in a row verifies one token, so that a
-stretch of copying is noticed again.
+p * cost(R) > per_row * E. A sequence none of whose tokens joins verifies
+nothing that step; one left out PROBE_EVERY steps in a row verifies one
+token, so that a stretch of copying is noticed again.
 """
 
 from collections import deque
