@@ -9,8 +9,9 @@ their blocks in place (pdrt/engine/cpu_attention.py); elsewhere, by one
 batched SDPA call over their gathered blocks with a length mask. Either way no
 Python loop runs per decode sequence. Prefill chunks, few and large, get one
 SDPA call each. On a GPU in float16 or bfloat16, FlashInfer's paged kernels
-serve both instead (pdrt/engine/paged_kernels.py). Step-wide metadata (slots, tables, gather indices, masks) is
-built once per step by the model runner and reused by every layer.
+serve both instead (pdrt/engine/paged_kernels.py). Step-wide metadata
+(slots, tables, gather indices, masks) is built once per step by the model
+runner and reused by every layer.
 """
 
 from dataclasses import dataclass

@@ -24,10 +24,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
-    def sample_seqs(self) -> list[Sequence]:
-        """The sequences that get a new token from this step, in packed order."""
-        return self.decode_samples + self.prefill_samples
-
 
 @dataclass(frozen=True, slots=True)
 class DraftLimits:
