@@ -277,6 +277,17 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
     return ladder
 
 
+def pilot_on(server: PdrtServer, protocol: str, settings: Settings) -> tuple[Slo, float, float]:
+    """`pilot` on `server`, started for it, warmed up and stopped after."""
+    server.start()
+    try:
+        target = server.target(protocol)
+        asyncio.run(warm_up(target, settings))
+        return asyncio.run(pilot(target, settings))
+    finally:
+        server.stop()
+
+
 async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
     """On the colocated server: SLOs from its light-load latencies, the ladder's start, the long-prompt rate."""
     driver, info = await _open(target)
@@ -528,13 +539,8 @@ def main() -> None:
     if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
         slo, light_rate, long_ttft = Slo(args.ttft_slo, args.tpot_slo), args.start_rate, args.long_ttft
     else:
-        server = colocated().start()  # told no SLOs yet: they only count in its metrics
-        try:
-            target = server.target(args.pdrt_protocol)
-            asyncio.run(warm_up(target, settings))
-            slo, light_rate, long_ttft = asyncio.run(pilot(target, settings))
-        finally:
-            server.stop()
+        # told no SLOs yet: they only count in its metrics
+        slo, light_rate, long_ttft = pilot_on(colocated(), args.pdrt_protocol, settings)
     slo = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
     # Four times the light load: every system measured so far meets its SLOs there, and the rates below, which
     # any would pass, take the longest to measure (MIN_REQUESTS at a low rate); a miss halves it, 3 times at most.

@@ -16,7 +16,6 @@ On this machine, with one model (default: a tiny random Llama built here):
 """
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -32,10 +31,9 @@ from bench_goodput import (  # noqa: E402  (the goodput benchmark's servers, pil
     PdrtServer,
     log,
     options_for,
-    pilot,
+    pilot_on,
     resolve_model,
     run_system,
-    warm_up,
 )
 
 from pdrt.bench import Slo  # noqa: E402
@@ -78,13 +76,7 @@ def main() -> None:
     if args.ttft_slo and args.tpot_slo and args.start_rate:
         slo, start_rate = Slo(args.ttft_slo, args.tpot_slo), args.start_rate
     else:
-        server = PdrtServer(workdir, model, "colocated").start()
-        try:
-            target = server.target("native")
-            asyncio.run(warm_up(target, settings))
-            slo, light_rate, _ = asyncio.run(pilot(target, settings))
-        finally:
-            server.stop()
+        slo, light_rate, _ = pilot_on(PdrtServer(workdir, model, "colocated"), "native", settings)
         slo = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
         start_rate = args.start_rate or round(4 * light_rate, 3)
     print(f"SLOs: TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.1f} ms; chat, length scale "
