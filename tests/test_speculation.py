@@ -8,7 +8,7 @@ import pytest
 from pdrt.engine import SamplingParams
 from pdrt.engine.proposers import MAX_PROPOSAL, DraftModel, PromptLookup
 from pdrt.engine.sequence import Sequence
-from pdrt.engine.spec_gate import PROBE_EVERY, SpecGate, StepCost
+from pdrt.engine.spec_gate import PROBE_EVERY, REFIT_EVERY, SpecGate, StepCost
 
 LONG = 40
 
@@ -160,11 +160,11 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
 
 def test_the_step_cost_is_fitted_on_steps_that_vary():
     cost = StepCost(0.010, 0.001)
-    for _ in range(4):
+    for _ in range(REFIT_EVERY):
         cost.observe(1, 0.02)
     assert (cost.fixed_s, cost.per_row_s) == (0.010, 0.001)  # no spread yet: the prior stands
     cost = StepCost(0.010, 0.001)
-    for rows in [1, 5, 9, 1, 5, 9]:
+    for rows in [1, 5, 9] * (REFIT_EVERY // 3 + 1):  # fitted once REFIT_EVERY steps are in
         cost.observe(rows, 0.02 + 0.002 * rows)
     assert (cost.fixed_s, cost.per_row_s) == (pytest.approx(0.02), pytest.approx(0.002))
     assert cost(10) == pytest.approx(0.04)

@@ -336,7 +336,7 @@ class LLMEngine:
         if spec is not None:
             spec.plan(batch)
         rows, indices = self._sample_rows(batch)
-        sampled = self.sampler(self.runner.run(batch), rows, indices, want_top1=spec is not None)
+        sampled = self.sampler(self.runner.run(batch), rows, indices)
         outputs = self._postprocess(batch, sampled)
         num_streams = len(batch.decode_samples)
         decode_tokens = sum(len(o.new_token_ids) for o in outputs[:num_streams])

@@ -38,7 +38,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 class Sampled:
     tokens: list[int]
     logprobs: list[float] | None  # of each token under the raw model distribution, when any row asks
-    top1: list[float] | None  # the largest probability of each row's distribution (tempered), when asked
+    top1: list[float]  # the largest probability of each sampled row's tempered distribution; 1.0 for greedy rows
 
 
 class Sampler:
@@ -48,8 +48,8 @@ class Sampler:
     proposed tokens has a row for each, and each row draws with its own index's seed, as it would have one
     step at a time."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], output_indices: list[int] | None = None,
-                 want_top1: bool = False) -> Sampled:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], output_indices: list[int] | None = None
+                 ) -> Sampled:
         logits = logits.float()
         indices = output_indices if output_indices is not None else [s.output_index for s in seqs]
         # max().indices, like argmax, picks the first of tied maxima, and is faster on CPU.
@@ -59,21 +59,19 @@ class Sampler:
             if not s.params.is_greedy:
                 random_rows.append(i)
             wants_logprobs = wants_logprobs or s.params.logprobs
-        top1 = None
-        if want_top1:
-            top1 = logits.softmax(dim=-1).max(dim=-1).values
+        top1 = [1.0] * len(seqs)
         if random_rows:
             drawn, tempered_top1 = self._sample(logits[random_rows], [seqs[i] for i in random_rows],
                                                 [indices[i] for i in random_rows])
             tokens[random_rows] = drawn
-            if top1 is not None:
-                top1[random_rows] = tempered_top1
+            for row, p in zip(random_rows, tempered_top1.tolist(), strict=True):
+                top1[row] = p
         token_list = tokens.tolist()
         logprobs = None
         if wants_logprobs:
             # Log-probabilities of the raw model distribution, before temperature and filters.
             logprobs = logits.log_softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        return Sampled(token_list, logprobs, None if top1 is None else top1.tolist())
+        return Sampled(token_list, logprobs, top1)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], indices: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:

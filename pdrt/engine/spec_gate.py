@@ -32,6 +32,7 @@ RATE_WEIGHT = 0.3  # of the newest verification in a sequence's acceptance rate
 TOP1_WEIGHT = 0.3  # of the newest distribution in a sequence's top-1 probability
 PROBE_EVERY = 16
 COST_WINDOW = 256  # decode steps in the cost fit
+REFIT_EVERY = 16  # steps between two fits: a fit reads the whole window, too much for every step
 
 
 @dataclass(slots=True)
@@ -42,12 +43,13 @@ class SeqStats:
 
 
 class StepCost:
-    """Seconds of a decode step against its rows, fitted by least squares on recent steps; until they vary
-    enough, on two timed at start-up."""
+    """Seconds of a decode step against its rows, fitted by least squares on recent steps (every REFIT_EVERY
+    of them); until they vary enough, on two timed at start-up."""
 
     def __init__(self, fixed_s: float, per_row_s: float) -> None:
         self.prior = (fixed_s, max(per_row_s, 0.0))
         self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.num_observed = 0
         self.fixed_s, self.per_row_s = self.prior
 
     @classmethod
@@ -57,6 +59,9 @@ class StepCost:
 
     def observe(self, rows: int, seconds: float) -> None:
         self.steps.append((rows, seconds))
+        self.num_observed += 1
+        if self.num_observed % REFIT_EVERY:
+            return
         n = len(self.steps)
         mean_r = sum(r for r, _ in self.steps) / n
         var = sum((r - mean_r) ** 2 for r, _ in self.steps)

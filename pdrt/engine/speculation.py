@@ -109,7 +109,7 @@ class Speculator:
             self.gate.verified(seq.request_id, len(proposal), accepted)
         return accepted
 
-    def stepped(self, batch: ScheduledBatch, num_decode_tokens: int, top1: list[float] | None,
+    def stepped(self, batch: ScheduledBatch, num_decode_tokens: int, top1: list[float],
                 rows: list[Sequence]) -> None:
         """After the step: its cost, what the decode rows gave, the target's confidence per sequence."""
         if batch.decodes and not batch.prefills:
@@ -117,11 +117,11 @@ class Speculator:
                                    time.perf_counter() - self.step_started)
         self.num_decode_tokens += num_decode_tokens
         self.num_decode_seq_steps += len(batch.decode_samples)
-        if top1 is not None:  # the decodes' rows lead; the prompts' first tokens after them are not counted
-            num_rows = sum(1 + len(seq.proposal) for seq in batch.decode_samples)
-            for seq, p in zip(rows[:num_rows], top1[:num_rows], strict=True):
-                if not seq.is_finished and not seq.params.is_greedy:  # a finished one is forgotten
-                    self.gate.distribution(seq.request_id, p)
+        # The decodes' rows lead; the prompts' first tokens after them are not counted.
+        num_rows = sum(1 + len(seq.proposal) for seq in batch.decode_samples)
+        for seq, p in zip(rows[:num_rows], top1[:num_rows], strict=True):
+            if not seq.is_finished and not seq.params.is_greedy:  # a finished one is forgotten
+                self.gate.distribution(seq.request_id, p)
         for seq in batch.decodes:
             seq.proposal = []
 
