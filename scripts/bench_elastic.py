@@ -9,8 +9,10 @@ and seeds) go to:
     2 prefill + 1 decode, with the balancer off;
   * the default split with the balancer on ([controller] balance, interval --interval), starting as 1P+2D.
 
-The rate is found first, on this host, unless --rate gives it: the highest of RATE_LADDER at which the
-default split still attains 80% of a shorter run of the same load (calibrate_rate).
+The rate is found first, on this host, unless --rate gives it: the highest of RATE_LADDER at which each
+phase's load is within what the split made for it can serve (2P+1D for the prefill-heavy load, 1P+2D for the
+decode-heavy one; calibrate_rate). A node whose balance follows the load can then serve the whole run; each
+static split serves one kind of phase and is past its capacity in the other.
 
 Per system: SLO attainment over the whole run and per phase, TTFT p95, and the role changes it made. The
 balancer reads this host's profile of the model (`pdrt profile`, measured first unless --profile gives one).
@@ -52,8 +54,8 @@ from pdrt.testing.node import Node, free_port  # noqa: E402
 
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
 RATE_LADDER = (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
-CALIBRATION_ATTAINMENT = 0.8  # the default split just holds the load: where a better split has room to show
-CALIBRATION_SHORTER = 4  # calibration phases are this much shorter than the measured ones
+CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
+CALIBRATION_SHORTER = 2  # calibration runs are this much shorter than the measured phases
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
 
 
@@ -71,17 +73,17 @@ def shape_of(phase: str, rng: random.Random, lengths: tuple[int, int, int, int])
     return RequestShape(around(short_prompt), around(long_answer))
 
 
-def workload(rate: float, phase_s: float, seed: int, lengths: tuple[int, int, int, int]
-             ) -> list[tuple[float, RequestShape, int]]:
+def workload(rate: float, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
+             phases: tuple[str, ...] = PHASES) -> list[tuple[float, RequestShape, int]]:
     """(arrival s, lengths, phase index) of every request: Poisson arrivals at `rate` throughout."""
     rng = random.Random(f"elastic:{seed}")
     requests, now = [], 0.0
     while True:
         now += rng.expovariate(rate)
         phase = int(now // phase_s)
-        if phase >= len(PHASES):
+        if phase >= len(phases):
             return requests
-        requests.append((now, shape_of(PHASES[phase], rng, lengths), phase))
+        requests.append((now, shape_of(phases[phase], rng, lengths), phase))
 
 
 async def drive(address: str, requests: list[tuple[float, RequestShape]], slo: Slo, seed: int
@@ -122,25 +124,31 @@ def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interva
 
 def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
                    lengths: tuple[int, int, int, int]) -> float:
-    """The rate to offer: the highest of RATE_LADDER at which the default split, on a shorter run of the same
-    shifting load, still attains CALIBRATION_ATTAINMENT. The host sets it, measured at the start of the run:
-    a fixed rate near a node's knee swings every system's attainment as the host's speed drifts."""
-    chosen = RATE_LADDER[0]
-    node = Node(workdir / "calibration", model, extra={
-        "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
-        "controller": {"balance": False, "metrics_port": free_port()},
-        "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
-    with node:
-        asyncio.run(drive(node.address, [(0.05 * i, RequestShape(64, 8)) for i in range(5)], Slo(60, 60), seed))
-        for rate in RATE_LADDER:
-            requests = workload(rate, phase_s, seed + 500, lengths)
-            records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed + 500))
-            attainment = summarize(records, 0.0, slo).attainment
-            log(f"calibration: {rate:g} req/s, the default split attains {attainment:.0%}")
-            if attainment < CALIBRATION_ATTAINMENT:
-                break
-            chosen = rate
-    return chosen
+    """The rate to offer: the highest of RATE_LADDER at which the split made for each phase still attains
+    CALIBRATION_ATTAINMENT of a run of that phase's load alone: 2P+1D of the prefill-heavy load, 1P+2D of the
+    decode-heavy one. The host sets it, measured at the start of the run: a fixed rate swings every system's
+    attainment as the host's speed drifts."""
+    limit = RATE_LADDER[-1]
+    for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
+        prefill, decode, _ = SYSTEMS[name]
+        node = Node(workdir / f"calibration-{name}", model, extra={
+            "prefill": {"count": prefill}, "decode": {"count": decode},
+            "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
+            "controller": {"balance": False, "metrics_port": free_port()},
+            "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
+        held = RATE_LADDER[0]
+        with node:
+            asyncio.run(drive(node.address, [(0.05 * i, RequestShape(64, 8)) for i in range(5)], Slo(60, 60), seed))
+            for rate in (r for r in RATE_LADDER if r <= limit):
+                requests = workload(rate, phase_s, seed + 500, lengths, (phase,))
+                records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed + 500))
+                attainment = summarize(records, 0.0, slo).attainment
+                log(f"calibration: {rate:g} req/s of the {phase} load, {name} attains {attainment:.0%}")
+                if attainment < CALIBRATION_ATTAINMENT:
+                    break
+                held = rate
+        limit = held
+    return limit
 
 
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo) -> float:
