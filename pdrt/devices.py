@@ -13,13 +13,14 @@ A worker's KV pool on a GPU is what is left of its share of the GPU's memory
 it) after its weights and a reserve for a step's activations; `[engine]
 kv_cache_bytes` fixes it instead. On the CPU the pool is 1 GiB unless set.
 
-Prefill and decode workers of one host hand KV over between GPUs by CUDA
-IPC (pdrt/transport/cuda_ipc.py), which `transfer = "auto"` picks on a GPU.
+A prefill worker on a GPU keeps its KV pool in device memory. `transfer =
+"auto"` shares it with decode workers of its host by CUDA IPC
+(pdrt/transport/cuda_ipc.py) and serves it over TCP, through pinned host
+memory, to those of other hosts; `cuda_ipc` and `tcp` are each half of it.
 Combinations this version cannot run are refused when the node starts:
 CUDA asked where torch sees no GPU, GPU indices that do not exist, a
-prefill worker on a GPU with a transfer that keeps its pool in host memory
-(shm, tcp), and CUDA IPC without a GPU. (A decode worker on a GPU can still
-pull over TCP from a CPU prefill worker, into its device pool.)
+prefill worker on a GPU with `shm` (a pool in host memory), and CUDA IPC
+without a GPU.
 """
 
 from pdrt.errors import ConfigError
@@ -100,10 +101,9 @@ def check_device_support(device: str, mode: str, worker_counts: dict[str, int], 
     if transfer == "cuda_ipc" and not device.startswith("cuda"):
         raise ConfigError(f"transfer = 'cuda_ipc' hands KV over between GPUs; [engine] device is {device!r}")
     if device.startswith("cuda") and mode == "disaggregated" and worker_counts.get("prefill", 0) \
-            and transfer != "cuda_ipc":
-        raise ConfigError(f"a prefill worker on a GPU hands its KV over from device memory; transfer = "
-                          f"{transfer!r} keeps the pool in host memory: use 'cuda_ipc' (or 'auto') for workers "
-                          "of one host")
+            and transfer == "shm":
+        raise ConfigError("a prefill worker on a GPU hands its KV over from device memory; transfer = 'shm' "
+                          "keeps the pool in host memory: use 'auto' (CUDA IPC on this host, TCP to others)")
 
 
 def process_environments(device: str, gpus: str, mode: str, worker_counts: dict[str, int], transfer: str,

@@ -212,8 +212,6 @@ class NodeConfig(_Table):
             raise ConfigError("[experimental] lease_s must be longer than heartbeat_s")
         if self.engine.device == "auto":  # made concrete once, where the node starts: its processes get it so
             self.engine.device = resolve_device("auto")
-        if self.transfer == "auto" and self.engine.device.startswith("cuda"):  # KV in device memory
-            self.transfer = "cuda_ipc"
         speculate = self.engine.speculate
         if speculate not in ("off", "prompt_lookup") and not Path(speculate).expanduser().exists():
             raise ConfigError(f"[engine] speculate is 'prompt_lookup', 'off' or a draft model's checkpoint; "

@@ -4,9 +4,9 @@
     mixed lengths (one over 600 tokens); in bfloat16, where pdrt's first token differs from float32
     transformers' and the top-2 logit margin of transformers there (a margin near zero is a tie that
     rounding decides, not a bug).
-(b) CUDA IPC: a second process pulls a 2048-token SmolLM2 prompt's KV (bf16) from this process's pool,
-    against a device-to-device `copy_` of the same bytes; and a handoff's pull against the prefill of
-    2048 tokens.
+(b) CUDA IPC: this process pulls a 2048-token SmolLM2 prompt's KV (bf16) from a second process's pool,
+    against a device-to-device `copy_` of the same bytes; the same pull over TCP on loopback (pinned
+    staging); and a handoff's pull against the prefill of 2048 tokens.
 (c) `pdrt up` on this GPU: a prefill and a decode worker sharing it (CUDA IPC handoff), then a colocated
     worker; the same greedy answers through the Python client from both.
 (d) Decode tokens/s of the engine against transformers' `generate` at batch 1 and 64, on a random model
@@ -33,6 +33,7 @@ from pdrt.models.fetch import default_model_dir
 from pdrt.testing.node import Node
 from pdrt.testing.prompts import random_prompts
 from pdrt.transport import make_puller
+from pdrt.transport.auto import AutoPuller
 from pdrt.wire import KVSourceDescriptor
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -90,10 +91,11 @@ def check_equality(model_dir: str) -> tuple[int, int]:
 PRODUCER = f"""
 import sys, msgspec, torch
 from pdrt.transport import TransferBackend, make_source
-src = make_source(TransferBackend.CUDA_IPC, "gpu-check-prefill", "")
+src = make_source(TransferBackend.AUTO, "gpu-check-prefill", "127.0.0.1", device="cuda")
 pool = src.allocate({SHAPE_2048}, torch.bfloat16)
 pool.copy_(torch.randn(pool.shape, dtype=torch.bfloat16, device="cuda"))
 torch.cuda.synchronize()
+src.export("r", list(range(128)), 1e12)
 print(msgspec.msgpack.encode(src.descriptor).hex(), flush=True)
 sys.stdin.read()
 """
@@ -126,6 +128,15 @@ def check_ipc(model_dir: str) -> tuple[float, float]:
         say(f"(b) CUDA IPC pull of a 2048-token prompt's KV ({num_bytes / 1e6:.0f} MB): {ipc_s * 1e3:.3f} ms, "
             f"{num_bytes / ipc_s / 1e9:.1f} GB/s; device-to-device copy_: {d2d_s * 1e3:.3f} ms, "
             f"{num_bytes / d2d_s / 1e9:.1f} GB/s")
+        by_ipc = pool[:, :, 128:].clone()
+        pool[:, :, 128:].zero_()
+        remote = AutoPuller(pool, host_id="another host")  # over TCP on loopback, through pinned memory
+        tcp_s = median_time(lambda: remote.pull(descriptor, "r", src_ids, dst_ids, time.monotonic() + 60, 10.0),
+                            repeats=5)
+        remote.close()
+        same = torch.equal(pool[:, :, 128:], by_ipc)
+        say(f"(b) the same pull over TCP on loopback (GPU to pinned host to GPU): {tcp_s * 1e3:.2f} ms, "
+            f"{num_bytes / tcp_s / 1e9:.2f} GB/s; the same bytes as by CUDA IPC: {same}")
         engine = LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16",
                                         kv_cache_memory_bytes=1 << 30, speculate="off"))
         prompt = random_prompts(1, 2040, engine.vocab_size, seed=3)[0]  # and its first token: within 2048

@@ -75,13 +75,13 @@ def test_what_cannot_run_is_refused_before_anything_starts():
     split = {"prefill": 1, "decode": 1}
     with pytest.raises(ConfigError, match="keeps the pool in host memory"):
         check_device_support("cuda", "disaggregated", split, "shm")
-    check_device_support("cuda", "disaggregated", split, "cuda_ipc")
+    for transfer in ("cuda_ipc", "tcp", "auto"):  # device pools: shared by IPC, served through pinned memory
+        check_device_support("cuda", "disaggregated", split, transfer)
     check_device_support("cuda", "colocated", {"colocated": 2}, "tcp")
     check_device_support("cuda", "disaggregated", {"prefill": 0, "decode": 2}, "tcp")  # pulls into the GPU
     with pytest.raises(ConfigError, match="between GPUs"):
         check_device_support("cpu", "disaggregated", split, "cuda_ipc")
-    assert config(engine={"device": "cuda"}).transfer == "cuda_ipc"  # auto on a GPU: KV stays in device memory
-    assert config().transfer == "auto"
+    assert config(engine={"device": "cuda"}).transfer == "auto"
     with pytest.raises(ConfigError, match="sees no CUDA device"):  # this machine, for real
         Supervisor(config(engine={"device": "cuda"}), "r")
 

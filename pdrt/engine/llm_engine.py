@@ -72,9 +72,10 @@ class LLMEngine:
         storage = None
         if kv_allocator is not None:
             storage = kv_allocator(KVPool.shape_for(layout, num_blocks), layout.dtype)
-            if storage.device != torch.device(config.device):
+            wanted = torch.device(config.device)
+            if storage.device.type != wanted.type or wanted.index not in (None, storage.device.index):
                 raise ConfigError(f"the KV transfer backend keeps the pool on {storage.device}, the model is on "
-                                  f"{config.device}: no backend of this version hands over KV in device memory")
+                                  f"{config.device}")
         self.pool = KVPool(layout, num_blocks, device=config.device, storage=storage)
         log.info("kv pool ready", blocks=num_blocks, block_size=config.block_size,
                  capacity_tokens=self.pool.capacity_tokens, bytes=self.pool.num_bytes, dtype=str(layout.dtype))

@@ -17,7 +17,8 @@ from pdrt.wire import KVSourceDescriptor
 
 __all__ = ["KVPuller", "KVSource", "TransferBackend", "make_puller", "make_source"]
 
-# backend -> (module, source class, puller class); the classes take (name, host, key=) and (pool, identity=, key=).
+# backend -> (module, source class, puller class); the classes take (name, host, key=, device=) and
+# (pool, identity=, key=).
 _BACKENDS: dict[TransferBackend, tuple[str, str, str]] = {
     TransferBackend.SHM: ("pdrt.transport.shm", "ShmSource", "ShmPuller"),
     TransferBackend.TCP: ("pdrt.transport.tcp", "TcpSource", "TcpPuller"),
@@ -34,10 +35,11 @@ def _backend_class(backend: int, index: int) -> type:
     return getattr(importlib.import_module(row[0]), row[index])
 
 
-def make_source(backend: TransferBackend, name: str, host: str, key: ClusterKey | None = None) -> KVSource:
+def make_source(backend: TransferBackend, name: str, host: str, key: ClusterKey | None = None,
+                device: str = "cpu") -> KVSource:
     """A prefill worker's source: `name` is unique per worker incarnation, `host` where peers reach it, `key`
-    the cluster key that its endpoint (if any) admits pullers by."""
-    return _backend_class(backend, 1)(name, host, key=key)
+    the cluster key that its endpoint (if any) admits pullers by, `device` where its model runs."""
+    return _backend_class(backend, 1)(name, host, key=key, device=device)
 
 
 def make_puller(pool: torch.Tensor, identity: str = "", key: ClusterKey | None = None) -> KVPuller:

@@ -1,4 +1,4 @@
-"""KV transfer chosen per pair of hosts: the pool lives in shared memory and is also served over TCP.
+"""KV transfer chosen per pair of hosts: the pool is shared on its own host and also served over TCP.
 
 A prefill worker whose decode workers are on its own host and on others
 cannot pick one backend for all of them: shared memory is the fast path but
@@ -16,6 +16,11 @@ and a receive. The auto source offers both for one pool:
 
 Exports go to both halves: the TCP server refuses what is not exported,
 while the shared-memory side only keeps books (its puller checks the lease).
+
+A pool on a GPU is one device allocation shared by its CUDA IPC handle
+(cuda_ipc.py) instead of a /dev/shm segment, and served over TCP through
+pinned host memory: a puller of its own host opens the handle, any other
+pulls over TCP.
 """
 
 import os
@@ -54,7 +59,8 @@ def local_host_id() -> str:
 
 
 class AutoSource(KVSource):
-    """A pool in the /dev/shm segment `name`, also served on a ROUTER at `tcp://{host}:*`.
+    """A pool in the /dev/shm segment `name` (or, on a GPU, a CUDA IPC allocation), also served on a ROUTER at
+    `tcp://{host}:*`.
 
     `host` must be an address decode workers on other hosts can reach (the
     node's `host`, not 0.0.0.0). `host_id` defaults to `local_host_id()`;
@@ -62,20 +68,25 @@ class AutoSource(KVSource):
     """
 
     def __init__(self, name: str, host: str = "127.0.0.1", host_id: str | None = None,
-                 key: ClusterKey | None = None) -> None:
+                 key: ClusterKey | None = None, device: str = "cpu") -> None:
         self.host_id = local_host_id() if host_id is None else host_id
-        self._shm = ShmSource(name)
+        if device.startswith("cuda"):
+            from pdrt.transport.cuda_ipc import CudaIpcSource
+
+            self._local: KVSource = CudaIpcSource(name, device=device)
+        else:
+            self._local = ShmSource(name)
         self._tcp = TcpSource(name, host, key)
         self._descriptor: KVSourceDescriptor | None = None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        pool = self._shm.allocate(shape, dtype)
+        pool = self._local.allocate(shape, dtype)
         try:
             self._tcp.serve(pool)
         except TransferError:
-            self._shm.close()
+            self._local.close()
             raise
-        self._descriptor = msgspec.structs.replace(self._shm.descriptor, backend=int(TransferBackend.AUTO),
+        self._descriptor = msgspec.structs.replace(self._local.descriptor, backend=int(TransferBackend.AUTO),
                                                    host_id=self.host_id, tcp_address=self._tcp.descriptor.address)
         return pool
 
@@ -90,17 +101,17 @@ class AutoSource(KVSource):
         return self._tcp.num_exports
 
     def export(self, request_id: str, block_ids: list[int], lease_expires_at: float, puller: str = "") -> None:
-        self._shm.export(request_id, block_ids, lease_expires_at, puller)
+        self._local.export(request_id, block_ids, lease_expires_at, puller)
         self._tcp.export(request_id, block_ids, lease_expires_at, puller)
 
     def withdraw(self, request_id: str) -> None:
-        self._shm.withdraw(request_id)
+        self._local.withdraw(request_id)
         self._tcp.withdraw(request_id)
 
     def close(self) -> None:
         """Stop the TCP server first (it may be reading the pool), then unlink the segment."""
         self._tcp.close()
-        self._shm.close()
+        self._local.close()
 
 
 class AutoPuller(KVPuller):
@@ -115,7 +126,7 @@ class AutoPuller(KVPuller):
         self.pool = pool
         self.identity, self.key = identity, key
         self.host_id = local_host_id() if host_id is None else host_id
-        self._shm: ShmPuller | None = None
+        self._local: dict[TransferBackend, KVPuller] = {}  # same host: shared memory, or CUDA IPC for a GPU's pool
         self._tcp: TcpPuller | None = None
 
     def is_same_host(self, source: KVSourceDescriptor) -> bool:
@@ -125,10 +136,18 @@ class AutoPuller(KVPuller):
     def pull(self, source: KVSourceDescriptor, request_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], lease_expires_at: float, timeout_s: float) -> None:
         if self.is_same_host(source):
-            if self._shm is None:
-                self._shm = ShmPuller(self.pool)
-            local = msgspec.structs.replace(source, backend=int(TransferBackend.SHM))
-            self._shm.pull(local, request_id, src_block_ids, dst_block_ids, lease_expires_at, timeout_s)
+            backend = TransferBackend.CUDA_IPC if source.ipc_handle else TransferBackend.SHM
+            puller = self._local.get(backend)
+            if puller is None:
+                if backend == TransferBackend.CUDA_IPC:
+                    from pdrt.transport.cuda_ipc import CudaIpcPuller
+
+                    puller = CudaIpcPuller(self.pool)
+                else:
+                    puller = ShmPuller(self.pool)
+                self._local[backend] = puller
+            local = msgspec.structs.replace(source, backend=int(backend))
+            puller.pull(local, request_id, src_block_ids, dst_block_ids, lease_expires_at, timeout_s)
             return
         if not source.tcp_address:
             raise TransferError(f"the KV source {source.address} is on another host ({source.host_id or 'unknown'}) "
@@ -139,7 +158,8 @@ class AutoPuller(KVPuller):
         self._tcp.pull(remote, request_id, src_block_ids, dst_block_ids, lease_expires_at, timeout_s)
 
     def close(self) -> None:
-        for puller in (self._shm, self._tcp):
+        for puller in [*self._local.values(), self._tcp]:
             if puller is not None:
                 puller.close()
-        self._shm = self._tcp = None
+        self._local.clear()
+        self._tcp = None

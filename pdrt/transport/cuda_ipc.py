@@ -38,6 +38,7 @@ from pdrt.errors import TransferError
 from pdrt.transport.auto import local_host_id
 from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import BookedSource, Run, check_pool_shape, check_pull, coalesce, describe
+from pdrt.transport.device_copy import wait
 from pdrt.wire import KVSourceDescriptor
 
 MAX_OPEN = 8  # source pools a puller keeps open: a node's prefill workers, and a few restarted ones
@@ -65,11 +66,12 @@ class IpcSharing(Protocol):
 
     def open(self, handle: bytes, pool: torch.Tensor) -> torch.Tensor: ...
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run], timeout_s: float) -> None: ...
 
 
 class TorchIpc:
-    """CUDA IPC through torch's tensor sharing; copies on one stream of the puller's, then waited for."""
+    """CUDA IPC through torch's tensor sharing; copies on one stream of the puller's, then waited for (a stuck
+    device ends the process: device_copy.wait)."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -92,14 +94,14 @@ class TorchIpc:
                                    h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle,
                                    h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run]) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[Run], timeout_s: float) -> None:
         stream = self._streams.get(dst.device)
         if stream is None:
             stream = self._streams[dst.device] = torch.cuda.Stream(device=dst.device)
         with torch.cuda.stream(stream):
             for s, d, n in runs:
                 dst[:, :, d : d + n].copy_(src[:, :, s : s + n], non_blocking=True)
-        stream.synchronize()
+        wait(stream, timeout_s, "CUDA IPC pull")
 
 
 class CudaIpcSource(BookedSource):
@@ -149,7 +151,7 @@ class CudaIpcPuller(KVPuller):
         if time.monotonic() > lease_expires_at:
             raise TransferError(f"the lease of request {request_id!r} expired before the pull began")
         src = self._source_pool(source)
-        self.sharing.copy(self.pool, src, coalesce(src_block_ids, dst_block_ids))
+        self.sharing.copy(self.pool, src, coalesce(src_block_ids, dst_block_ids), timeout_s)
         if time.monotonic() > lease_expires_at:
             raise TransferError(f"the lease of request {request_id!r} expired during the pull; "
                                 "the copied blocks may have been reused")

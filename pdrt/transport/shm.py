@@ -70,8 +70,10 @@ class ShmSource(BookedSource):
 
     kind = "shared-memory"
 
-    def __init__(self, name: str, host: str = "", key: ClusterKey | None = None) -> None:
+    def __init__(self, name: str, host: str = "", key: ClusterKey | None = None, device: str = "cpu") -> None:
         super().__init__()
+        if device != "cpu":
+            raise TransferError(f"a shared-memory KV pool is in host memory; the model is on {device}")
         self.path = segment_path(name)
         self._mmap: mmap.mmap | None = None
         self._pool: torch.Tensor | None = None

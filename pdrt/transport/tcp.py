@@ -18,9 +18,11 @@ withdraw during the gather may have let the prefill worker reuse the blocks
 mid-read.
 
 The puller writes the received frame straight into its pool, one copy per
-run of consecutive destination blocks. A request that times out takes its
-DEALER with it, and replies carry the request's `seq`, so a late answer is
-never taken for the next request's.
+run of consecutive destination blocks. A pool on a GPU is gathered and
+scattered on the device, and crosses to and from the host through pinned
+memory on the transfer thread's own stream (device_copy.py). A request
+that times out takes its DEALER with it, and replies carry the request's
+`seq`, so a late answer is never taken for the next request's.
 """
 
 import math
@@ -46,6 +48,7 @@ from pdrt.transport.copy import (
     describe,
     torch_dtype,
 )
+from pdrt.transport.device_copy import DeviceStaging
 from pdrt.wire import (
     KVPullReply,
     KVPullRequest,
@@ -57,6 +60,7 @@ from pdrt.wire import (
 
 log = structlog.get_logger(__name__)
 
+GATHER_TIMEOUT_S = 30.0  # a gather on a GPU not done by then: the device is stuck
 SERVE_POLL_MS = 100  # how often the server thread looks at its stop flag: close() returns within about this
 CLOSE_JOIN_S = 1.0
 
@@ -70,23 +74,26 @@ class TcpSource(BookedSource):
 
     kind = "TCP"
 
-    def __init__(self, name: str, host: str = "127.0.0.1", key: ClusterKey | None = None) -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", key: ClusterKey | None = None,
+                 device: str = "cpu") -> None:
         super().__init__()
         self.name = name
         self.host = host
         self.key = key
+        self.device = device
         self._pool: torch.Tensor | None = None
         self._ctx: zmq.Context | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._send_buffer = _SendBuffer()
+        self._staging: DeviceStaging | None = None  # for a pool on a GPU
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self._pool is not None or self._stop.is_set():
             raise TransferError(f"KV source {self.name!r} is already allocated or closed")
         shape = tuple(shape)
         check_pool_shape(shape)
-        return self.serve(torch.zeros(shape, dtype=dtype))
+        return self.serve(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def serve(self, pool: torch.Tensor) -> torch.Tensor:
         """Serve `pool`, storage allocated elsewhere (the auto backend's shared memory), instead of allocating."""
@@ -105,6 +112,8 @@ class TcpSource(BookedSource):
         # The socket moves to the server thread here and is used by it alone from now on.
         self._thread = threading.Thread(target=self._serve, args=(sock, pool), name=f"kv-source-{self.name}",
                                         daemon=True)
+        if pool.is_cuda:
+            self._staging = DeviceStaging(pool.device)
         self._thread.start()
         return pool
 
@@ -159,7 +168,10 @@ class TcpSource(BookedSource):
             if any(not 0 <= b < pool.shape[2] for b in request.block_ids):
                 raise TransferError(f"block ids must be in [0, {pool.shape[2]})")
             data = self._send_buffer.take(pool, (pool.shape[0], 2, len(request.block_ids), *pool.shape[3:]))
-            copy_runs(data, pool, coalesce(request.block_ids, list(range(len(request.block_ids)))))
+            if self._staging is not None:
+                self._staging.gather(data, pool, request.block_ids, GATHER_TIMEOUT_S)
+            else:
+                copy_runs(data, pool, coalesce(request.block_ids, list(range(len(request.block_ids)))))
             self._exports.check(request.request_id, request.block_ids, puller)
         except TransferError as exc:
             return [encode(KVPullReply(request.seq, error="refused", message=str(exc)))]
@@ -172,7 +184,7 @@ class _SendBuffer:
 
     A fresh buffer of a hundred megabytes per reply costs more in page faults
     than the gather's copy itself, so the server keeps one, and takes a new one only while the last reply is still
-    being sent (pyzmq keeps that one alive until then).
+    being sent (pyzmq keeps that one alive until then). For a pool on a GPU the buffer is pinned host memory.
     """
 
     def __init__(self) -> None:
@@ -183,7 +195,7 @@ class _SendBuffer:
         numel = math.prod(shape)
         busy = self._tracker is not None and not self._tracker.done
         if self._buffer is None or busy or self._buffer.numel() < numel:
-            self._buffer = pool.new_empty(numel)
+            self._buffer = torch.empty(numel, dtype=pool.dtype, pin_memory=pool.is_cuda)
             self._tracker = None
         return self._buffer[:numel].view(shape)
 
@@ -207,6 +219,7 @@ class TcpPuller(KVPuller):
         self._ctx = zmq.Context(io_threads=1)
         self._sockets: dict[str, zmq.Socket] = {}
         self._seq = 0
+        self._staging: DeviceStaging | None = DeviceStaging(pool.device) if pool.is_cuda else None
 
     def pull(self, source: KVSourceDescriptor, request_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], lease_expires_at: float, timeout_s: float) -> None:
@@ -233,7 +246,10 @@ class TcpPuller(KVPuller):
                                 f"for request {request_id!r}; expected one frame of {expected}")
         shape = (source.num_layers, 2, len(src_block_ids), source.block_size, source.num_kv_heads, source.head_dim)
         blocks = torch.frombuffer(frames[1].buffer, dtype=torch_dtype(source.dtype)).view(shape)
-        copy_runs(self.pool, blocks, coalesce(list(range(len(dst_block_ids))), dst_block_ids))
+        if self._staging is not None:
+            self._staging.scatter(self.pool, blocks, dst_block_ids, max(0.0, deadline - time.monotonic()) + 1.0)
+        else:
+            copy_runs(self.pool, blocks, coalesce(list(range(len(dst_block_ids))), dst_block_ids))
 
     def _receive(self, address: str, sock: zmq.Socket, deadline: float,
                  timeout_s: float) -> tuple[KVPullReply, list[zmq.Frame]]:
