@@ -57,6 +57,7 @@ RATE_LADDER = (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
 CALIBRATION_SHORTER = 2  # calibration runs are this much shorter than the measured phases
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
+DEFAULT_POOL = {"kv_cache_bytes": 0}  # the pool `pdrt up` gives a worker, not the test harness's small one
 
 
 def shape_of(phase: str, rng: random.Random, lengths: tuple[int, int, int, int]) -> RequestShape:
@@ -100,7 +101,7 @@ async def drive(address: str, requests: list[tuple[float, RequestShape]], slo: S
 
 def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interval_s: float, seed: int) -> dict:
     prefill, decode, balance = SYSTEMS[name]
-    node = Node(workdir, model, extra={
+    node = Node(workdir, model, engine=DEFAULT_POOL, extra={
         "prefill": {"count": prefill}, "decode": {"count": decode},
         "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
         "controller": {"balance": balance, "balance_interval_s": interval_s, "metrics_port": free_port()},
@@ -131,7 +132,7 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
     limit = RATE_LADDER[-1]
     for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
         prefill, decode, _ = SYSTEMS[name]
-        node = Node(workdir / f"calibration-{name}", model, extra={
+        node = Node(workdir / f"calibration-{name}", model, engine=DEFAULT_POOL, extra={
             "prefill": {"count": prefill}, "decode": {"count": decode},
             "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
             "controller": {"balance": False, "metrics_port": free_port()},
@@ -172,7 +173,7 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
     parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
     parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
-    parser.add_argument("--long-answer", type=int, default=1100, help="decode-heavy answers' mean tokens")
+    parser.add_argument("--long-answer", type=int, default=1600, help="decode-heavy answers' mean tokens")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=100, help="of the first repeat; the next ones count up")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
