@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
     parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
     parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
-    parser.add_argument("--long-answer", type=int, default=1600, help="decode-heavy answers' mean tokens")
+    parser.add_argument("--long-answer", type=int, default=1100, help="decode-heavy answers' mean tokens")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=100, help="of the first repeat; the next ones count up")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
