@@ -146,3 +146,9 @@ def test_decode_steps_slower_than_the_profile_make_decode_workers_worth_more():
                             Signals(120, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((5, 3 * step),)), SLO, 1, 8, 30)
     assert quiet.best == (2, 1) and quiet.predicted[(2, 1)] > 0.9  # the current split will do
     assert loaded.best == (1, 2) and loaded.predicted[(1, 2)] - loaded.predicted[(2, 1)] > 0.5
+
+
+def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_at_least_two_intervals():
+    balancer = Node().balancer  # interval 10 s, TPOT SLO 20 ms
+    assert balancer.horizon_s(signals(64, 100, 1, 2)) == 20.0  # streams of 2 s: two intervals
+    assert balancer.horizon_s(signals(64, 1000, 1, 2)) == 40.0  # streams of 20 s at the SLO's pace: two of them

@@ -14,11 +14,15 @@ the last two intervals:
 
 It then predicts, with `pdrt plan`'s simulator and this host's profile
 (pdrt/planner), the SLO attainment each split of the node's workers would
-give that load over the next intervals (the queues as they stand, then
+give that load over the time ahead: the queues as they stand, then
 Poisson arrivals at the measured rate with lengths around the measured
-means; decode steps as much slower than the profile's as the decode
-workers' steps are now, a loaded machine being slower than the quiet one
-it was profiled on), and moves one worker toward the best split when all of these hold:
+means, for two intervals or two lifetimes of a stream at the TPOT SLO,
+whichever is longer (streams pile up on a decode worker over their whole
+lives: a shorter look takes a load that will not hold for one that does);
+decode steps as much slower than the profile's as the decode workers'
+steps are now, a loaded machine being slower than the quiet one it was
+profiled on. It moves one worker toward the best split when all of these
+hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
 * the same split was best at the previous evaluation too (hysteresis);
@@ -61,6 +65,7 @@ MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
 MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, something else is wrong
+STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
 
 
 @dataclass(slots=True, frozen=True)
@@ -204,6 +209,9 @@ class Balancer:
         return len(self.registry.by_role("prefill")) + len(self.registry.by_role("decode")) >= 3 \
             and self._load_profile()
 
+    def horizon_s(self, signals: Signals) -> float:
+        return max(2 * self.interval_s, STREAM_LIFETIMES * signals.mean_output * self.slo.tpot_s)
+
     async def evaluate(self) -> bool:
         """Predict every split from the signals (in a thread: it takes a moment), then act on the prediction;
         True when a role change began."""
@@ -215,7 +223,7 @@ class Balancer:
         self.evaluating = True
         try:
             decision = await asyncio.to_thread(predict_splits, self.profile, self.profile.serving_overheads(),
-                                               signals, self.slo, self.threads, self.cores, 2 * self.interval_s)
+                                               signals, self.slo, self.threads, self.cores, self.horizon_s(signals))
         finally:
             self.evaluating = False
         return self.act(signals, decision, time.monotonic())
