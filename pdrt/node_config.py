@@ -273,10 +273,15 @@ class NodeConfig(_Table):
         num_workers = max(1, sum(self.worker_counts().values()))
         return max(1, (os.cpu_count() or 1) // num_workers)
 
+    @property
+    def worker_device(self) -> str:
+        """The device a worker process computes on: on CUDA it sees its own GPU alone (CUDA_VISIBLE_DEVICES,
+        pdrt/devices.py), device 0 there."""
+        return "cuda" if self.engine.device.startswith("cuda") else self.engine.device
+
     def engine_config(self, role: str) -> EngineConfig:
         e, x = self.engine, self.experimental
-        # A worker sees its own GPU alone (CUDA_VISIBLE_DEVICES, pdrt/devices.py): it is device 0 there.
-        device = "cuda" if e.device.startswith("cuda") else e.device
+        device = self.worker_device
         pool = e.kv_cache_bytes or (DEFAULT_KV_CACHE_BYTES if device == "cpu" else 0)
         return EngineConfig(model=self.model, device=device, dtype=e.dtype, block_size=x.block_size,
                             kv_cache_memory_bytes=pool, max_model_len=e.max_model_len or None,

@@ -37,6 +37,9 @@ def test_auto_is_cuda_where_torch_sees_a_gpu_and_the_cpu_here():
     assert config().engine.device == "cpu"  # this machine: no GPU
     assert config(engine={"device": "cpu"}).engine_config("decode").kv_cache_memory_bytes == GIB
     assert load_node_config(environ={"PDRT_DEVICE": "cpu", "PDRT_MODEL": "/m"}).engine.device == "cpu"
+    # A worker sees its own GPU alone: its engine and its KV source both use device 0 there.
+    gpu = config(engine={"device": "cuda:1"})
+    assert gpu.worker_device == gpu.engine_config("prefill").device == "cuda"
 
 
 def test_a_node_takes_the_gpus_it_is_given_or_all_and_refuses_those_that_do_not_exist():

@@ -73,7 +73,7 @@ class SplitWorker(EngineWorker):
         self.incarnation = incarnation
         backend = TransferBackend[config.transfer.upper()]
         self.source = make_source(backend, f"pdrt-{run_id}-{process_id}-{incarnation}", config.host, config.key,
-                                  config.engine.device)
+                                  config.worker_device)
         super().__init__(config, process_id, incarnation, ctx, run_id, kv_allocator=self.source.allocate)
         descriptor = self.source.descriptor
         log.info("kv source serving", backend=TransferBackend(descriptor.backend).name.lower(),
