@@ -28,7 +28,7 @@ from pdrt.wire import KVSourceDescriptor
 class TransferBackend(enum.IntEnum):
     SHM = 1  # same host: the prefill pool lives in shared memory, decode maps it
     TCP = 2  # any host: blocks travel as zero-copy ZeroMQ frames
-    AUTO = 3  # both: a pool in shared memory, also served over TCP; each puller takes the one its host can use
+    AUTO = 3  # both: a pool shared on its host (shared memory; CUDA IPC on a GPU), also served over TCP
     CUDA_IPC = 4  # same host, GPUs: the prefill pool is one device allocation, decode opens its IPC handle
 
 
