@@ -8,9 +8,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
-from pdrt.control_plane.balancer import Balancer, Decision, Signals, predict_splits
+from pdrt.control_plane.balancer import LARGE_GAIN, MIN_REQUESTS, Balancer, Decision, Signals, predict_splits
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.role_changes import RoleChanges
+from pdrt.metrics.exposition import parse
 from pdrt.planner.cost_model import StepFit
 from pdrt.planner.profile import Profile, default_profile_path
 from pdrt.wire import ChangeRole
@@ -59,8 +60,10 @@ def prefill_heavy(node: Node) -> Signals:
     return signals(4000, 2, roles.count("prefill"), roles.count("decode"))
 
 
-def decision(best: tuple[int, int]) -> Decision:
-    return Decision(best, {(1, 2): 0.3, (2, 1): 0.95} if best == (2, 1) else {(1, 2): 0.95, (2, 1): 0.3})
+def decision(best: tuple[int, int], gain: float = 0.2) -> Decision:
+    """`best` predicted to beat the other split by `gain` (beyond the margin, within LARGE_GAIN unless asked)."""
+    other = (1, 2) if best == (2, 1) else (2, 1)
+    return Decision(best, {best: 0.9, other: 0.9 - gain})
 
 
 def test_a_change_waits_for_a_second_evaluation_then_moves_the_least_busy_worker():
@@ -71,6 +74,12 @@ def test_a_change_waits_for_a_second_evaluation_then_moves_the_least_busy_worker
     assert node.balancer.act(prefill_heavy(node), decision((2, 1)), now=110.0)
     assert node.sent == [(b"decode-1", ChangeRole("prefill", node.sent[0][1].reason))]
     assert node.registry.entries["decode-1"].role == "prefill"
+
+
+def test_a_large_predicted_gain_is_acted_on_at_once():
+    node = Node()
+    assert node.balancer.act(prefill_heavy(node), decision((2, 1), gain=LARGE_GAIN + 0.1), now=100.0)
+    assert len(node.sent) == 1 and node.registry.entries["decode-0"].role == "prefill"
 
 
 def test_no_second_change_within_two_intervals_nor_while_one_is_under_way():
@@ -152,3 +161,27 @@ def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_at_least_two_inter
     balancer = Node().balancer  # interval 10 s, TPOT SLO 20 ms
     assert balancer.horizon_s(signals(64, 100, 1, 2)) == 20.0  # streams of 2 s: two intervals
     assert balancer.horizon_s(signals(64, 1000, 1, 2)) == 40.0  # streams of 20 s at the SLO's pace: two of them
+
+
+def gateway_counters(**values: float) -> list:
+    """The gateways' metrics as the controller reads them: `name=value` for each pdrt_gateway_<name>."""
+    return parse("".join(f"pdrt_gateway_{name} {value}\n" for name, value in values.items()).encode())
+
+
+def test_the_answer_length_is_read_ahead_from_what_requests_ask_for_at_the_share_ended_ones_used():
+    balancer = Node().balancer
+    start = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                 streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    balancer.sample(gateway_counters(**start), now=0.0)
+    # Ten long answers start (1000 tokens asked for each), 50 tokens streamed so far; no request ended yet.
+    started = start | dict(started_requests_total=10, started_prompt_tokens_total=640,
+                           started_max_tokens_total=10_000, streamed_tokens_total=50)
+    balancer.sample(gateway_counters(**started), now=5.0)
+    assert balancer.signals().mean_output == 5.0  # until one ends, tokens streamed per request started
+    # Requests that ended used half of what they asked for: the answers now starting are read as 500 tokens,
+    # and the streams open as running on for half of what they may still produce.
+    ended = started | dict(requests_total=MIN_REQUESTS, output_tokens_total=100, max_tokens_total=200,
+                           open_requests=10, open_answer_tokens_left=9000)
+    balancer.sample(gateway_counters(**ended), now=8.0)
+    got = balancer.signals()
+    assert got.mean_output == 500.0 and got.mean_left == 450.0

@@ -58,6 +58,7 @@ def test_a_request_meets_its_slos_only_with_both_ttft_and_tpot_within_them(metri
     assert total(got, "pdrt_gateway_requests_total", outcome="finished_length") == 3
     assert total(got, "pdrt_gateway_requests_total", outcome="error_timeout") == 1
     assert total(got, "pdrt_gateway_output_tokens_total") == 11 * 3 + 1 + 3 + 3
+    assert total(got, "pdrt_gateway_max_tokens_total") == 6 * SamplingParams().max_tokens  # asked for, ended
     assert total(got, "pdrt_gateway_tpot_seconds_count") == 3  # finished, with more than one token
     assert total(got, "pdrt_gateway_e2e_seconds_count") == 4
 
@@ -79,7 +80,7 @@ def test_queue_time_ttft_and_token_gaps_are_observed_once_each(metrics):
 
 def test_the_view_serves_this_gateway_live_and_the_others_from_the_controller(metrics):
     status = Status([WorkerStatus("decode-0", "decode", True, Load())], 2,
-                    {"drafts_opened": 4, "warmup_dropped_stale": 1, "open_drafts": 3})
+                    {"drafts_opened": 4, "warmup_dropped_stale": 1, "open_drafts": 3, "open_answer_tokens_left": 40})
     view = GatewayMetricsView(metrics, lambda: status, "gateway")
     metrics.ended(request(5, ttft_s=0.1, e2e_s=0.2), finished())
     stale_self = 'pdrt_gateway_requests_total{outcome="finished_length",process="gateway",role="gateway"} 99.0\n'
@@ -97,6 +98,7 @@ def test_the_view_serves_this_gateway_live_and_the_others_from_the_controller(me
     assert total(got, "pdrt_gateway_events_total", event="warmup_dropped_stale") == 1
     assert total(got, "pdrt_gateway_open_drafts") == 3
     assert total(got, "pdrt_gateway_open_requests") == 2
+    assert total(got, "pdrt_gateway_open_answer_tokens_left") == 40
 
 
 def test_a_view_that_does_not_parse_keeps_the_previous_one(metrics):
@@ -116,5 +118,6 @@ def test_started_requests_and_streamed_tokens_count_as_they_happen_retries_once(
     got = families(metrics)
     assert total(got, "pdrt_gateway_started_requests_total") == 1
     assert total(got, "pdrt_gateway_started_prompt_tokens_total") == len(req.prompt_token_ids)
+    assert total(got, "pdrt_gateway_started_max_tokens_total") == req.params.max_tokens
     assert total(got, "pdrt_gateway_streamed_tokens_total") == 3
     assert total(got, "pdrt_gateway_output_tokens_total") == 0  # counted when it ends

@@ -3,11 +3,17 @@
 Every `[controller] balance_interval_s` it reads the node's signals over
 the last two intervals:
 
-* requests a minute and their mean prompt length as they start, their
-  mean answer length as output tokens stream (tokens over requests
-  started: it follows a change of the mix within seconds, where ended
-  requests would lag by their whole length), and the SLO attainment of
-  those that ended, from the gateways' counters (`pdrt_gateway_*`);
+* requests a minute and their mean prompt length as they start, and the
+  SLO attainment of those that ended, from the gateways' counters
+  (`pdrt_gateway_*`);
+* their mean answer length, read ahead: the max_tokens the requests that
+  start ask for, times the share of it that ended requests used (in the
+  window, else since the gateway started). Answers that ended, or tokens
+  streamed so far, follow a change of the mix only over a stream's whole
+  life; what is asked for changes with the first requests of the new mix.
+  Before any request ended, tokens streamed per request started stand in;
+* what the open requests may still produce (the same share of their
+  max_tokens left), the length the streams held now are predicted to run;
 * the queues: prompts waiting at prefill workers, streams held by decode
   workers, and how long the decode workers' steps take now (their
   heartbeats' load).
@@ -25,7 +31,9 @@ profiled on. It moves one worker toward the best split when all of these
 hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
-* the same split was best at the previous evaluation too (hysteresis);
+* the same split was best at the previous evaluation too (hysteresis),
+  unless it beats the current one by LARGE_GAIN: a load that shifts
+  swamps a worker within seconds, and waiting to confirm costs them;
 * no change was made in the last two intervals;
 * no change is under way.
 
@@ -61,6 +69,7 @@ from pdrt.planner.simulator import Deployment, Overheads
 log = structlog.get_logger(__name__)
 
 MARGIN = 0.05  # of predicted attainment
+LARGE_GAIN = 0.3  # of predicted attainment: acted on without waiting for a second evaluation to confirm it
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
@@ -79,10 +88,12 @@ class Signals:
     prefill: int  # workers of each role now
     decode: int
     decode_steps: tuple[tuple[int, float], ...] = ()  # per decode worker: (streams, recent decode step s)
+    mean_left: float | None = None  # answer tokens an open request is expected to produce still; None: unknown
 
     def describe(self) -> str:
         attained = "-" if self.attainment is None else f"{self.attainment:.0%}"
-        return (f"{self.requests_per_min:.0f} req/min, in {self.mean_input:.0f} / out {self.mean_output:.0f} "
+        left = "" if self.mean_left is None else f" ({self.mean_left:.0f} left to open requests)"
+        return (f"{self.requests_per_min:.0f} req/min, in {self.mean_input:.0f} / out {self.mean_output:.0f}{left} "
                 f"tokens, attainment {attained}, queues {self.prefill_waiting} prompts / {self.decode_streams} "
                 f"streams, {self.prefill}P+{self.decode}D")
 
@@ -112,7 +123,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
         return RequestShape(min(inp, max(4, profile.max_model_len - out)), out)
 
     requests = [(0.0, shape(signals.mean_input, signals.mean_output)) for _ in range(signals.prefill_waiting)]
-    requests += [(0.0, RequestShape(4, max(1, round(signals.mean_output / 2)))) for _ in range(signals.decode_streams)]
+    left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
+    requests += [(0.0, RequestShape(4, max(1, round(left)))) for _ in range(signals.decode_streams)]
     now = 0.0
     while rate > 0 and len(requests) < MAX_SIM_REQUESTS:
         now += rng.expovariate(rate)
@@ -128,6 +140,15 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     current = (signals.prefill, signals.decode)
     best = max(predicted, key=lambda s: (predicted[s], s == current))
     return Decision(best, predicted)
+
+
+def share_used(window: dict[str, float], since_start: dict[str, float]) -> float | None:
+    """The share of their max_tokens that ended requests produced: in the window when enough ended there, else
+    since the gateways started; None before any ended."""
+    for counts, least in ((window, MIN_REQUESTS), (since_start, 1)):
+        if counts["ended"] >= least and counts["ended_asked"] > 0:
+            return min(1.0, counts["ended_output"] / counts["ended_asked"])
+    return None
 
 
 class Balancer:
@@ -174,7 +195,13 @@ class Balancer:
         counters = {
             "requests": total(families, "pdrt_gateway_started_requests_total"),
             "prompt": total(families, "pdrt_gateway_started_prompt_tokens_total"),
+            "asked": total(families, "pdrt_gateway_started_max_tokens_total"),
             "output": total(families, "pdrt_gateway_streamed_tokens_total"),
+            "ended": total(families, "pdrt_gateway_requests_total"),
+            "ended_output": total(families, "pdrt_gateway_output_tokens_total"),
+            "ended_asked": total(families, "pdrt_gateway_max_tokens_total"),
+            "open": total(families, "pdrt_gateway_open_requests"),
+            "left": total(families, "pdrt_gateway_open_answer_tokens_left"),
             "judged": total(families, "pdrt_gateway_slo_requests_total"),
             "met": total(families, "pdrt_gateway_slo_met_total", slo="both"),
         }
@@ -193,9 +220,15 @@ class Balancer:
         if t1 - t0 <= 0 or delta["requests"] < MIN_REQUESTS:
             return None
         prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
+        used = share_used(delta, last)
+        if used is None:
+            mean_output, mean_left = delta["output"] / delta["requests"], None
+        else:
+            mean_output = used * delta["asked"] / delta["requests"]
+            mean_left = used * last["left"] / last["open"] if last["open"] else None
         return Signals(
             requests_per_min=60 * delta["requests"] / (t1 - t0),
-            mean_input=delta["prompt"] / delta["requests"], mean_output=max(1.0, delta["output"] / delta["requests"]),
+            mean_input=delta["prompt"] / delta["requests"], mean_output=max(1.0, mean_output), mean_left=mean_left,
             attainment=delta["met"] / delta["judged"] if delta["judged"] else None,
             prefill_waiting=sum(e.load.num_waiting for e in prefill),
             decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
@@ -237,7 +270,7 @@ class Balancer:
         if best == current or gain < MARGIN:
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"
-        elif previous != best:
+        elif previous != best and gain < LARGE_GAIN:
             why = f"{best[0]}P+{best[1]}D best ({figures}); waiting for the next evaluation to confirm"
             action = "wait"
         elif self.roles.pending:

@@ -61,6 +61,8 @@ class GatewayMetrics:
                                registry=r)
         self.started_prompt_tokens = Counter("pdrt_gateway_started_prompt_tokens", "Prompt tokens of started "
                                              "requests", registry=r)
+        self.started_max_tokens = Counter("pdrt_gateway_started_max_tokens", "Answer tokens asked for (max_tokens) "
+                                          "by started requests", registry=r)
         self.streamed_tokens = Counter("pdrt_gateway_streamed_tokens", "Output tokens, counted as they arrive",
                                        registry=r)
         self.prompt_tokens = Counter("pdrt_gateway_prompt_tokens", "Prompt tokens of ended requests", registry=r)
@@ -73,6 +75,8 @@ class GatewayMetrics:
         self.cached_tokens = Counter("pdrt_gateway_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                      registry=r)
         self.output_tokens = Counter("pdrt_gateway_output_tokens", "Output tokens of ended requests", registry=r)
+        self.max_tokens = Counter("pdrt_gateway_max_tokens", "Answer tokens asked for (max_tokens) by ended requests: "
+                                  "against pdrt_gateway_output_tokens, how much of it answers use", registry=r)
         self.slo_requests = Counter("pdrt_gateway_slo_requests", "Requests judged against the SLOs (finished or "
                                     "failed)", registry=r)
         self.slo_met = Counter("pdrt_gateway_slo_met", "Judged requests that met the TTFT SLO, the TPOT SLO, both",
@@ -89,6 +93,7 @@ class GatewayMetrics:
             self.queue.observe(req.sent_at - req.admitted_at)
             self.started.inc()
             self.started_prompt_tokens.inc(len(req.prompt_token_ids))
+            self.started_max_tokens.inc(req.params.max_tokens)
 
     def tokens(self, req: GatewayRequest, num_new: int) -> None:
         if not num_new:
@@ -109,6 +114,7 @@ class GatewayMetrics:
         self.prompt_tokens.inc(len(req.prompt_token_ids))
         self.cached_tokens.inc(req.num_cached_tokens)
         self.output_tokens.inc(num_tokens)
+        self.max_tokens.inc(req.params.max_tokens)
         if how in NOT_JUDGED:
             return
         self.slo_requests.inc()

@@ -75,6 +75,9 @@ class _StatusCollector:
         counters = dict(status.counters)
         yield GaugeMetricFamily("pdrt_gateway_open_requests", "Requests open at the gateway",
                                 value=status.num_open_requests)
+        yield GaugeMetricFamily("pdrt_gateway_open_answer_tokens_left", "Answer tokens the open requests may still "
+                                "produce: their max_tokens less what they have",
+                                value=counters.pop("open_answer_tokens_left", 0))
         yield GaugeMetricFamily("pdrt_gateway_open_drafts", "Prompts being typed at the gateway",
                                 value=counters.pop("open_drafts", 0))
         yield GaugeMetricFamily("pdrt_gateway_warmup_reservations", "Sessions whose warmup holds a prefill",

@@ -343,6 +343,8 @@ class Gateway(Actor):
         counters = dict(self.counters)
         counters["open_drafts"] = len(self.drafts.drafts)
         counters["warmup_reservations"] = len(self.warmups.reservations.by_session)
+        counters["open_answer_tokens_left"] = sum(max(0, r.params.max_tokens - len(r.token_ids))
+                                                  for r in self.table.by_client.values())
         if self.warmup_listener is not None:
             guard = self.warmup_listener.guard
             counters["warmup_datagrams_accepted"] = guard.accepted
