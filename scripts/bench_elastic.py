@@ -55,7 +55,6 @@ from pdrt.testing.node import Node, free_port  # noqa: E402
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
 RATE_LADDER = (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
-CALIBRATION_SHORTER = 2  # calibration runs are this much shorter than the measured phases
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
 DEFAULT_POOL = {"kv_cache_bytes": 0}  # the pool `pdrt up` gives a worker, not the test harness's small one
 
@@ -126,8 +125,9 @@ def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interva
 def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
                    lengths: tuple[int, int, int, int]) -> float:
     """The rate to offer: the highest of RATE_LADDER at which the split made for each phase still attains
-    CALIBRATION_ATTAINMENT of a run of that phase's load alone: 2P+1D of the prefill-heavy load, 1P+2D of the
-    decode-heavy one. The host sets it, measured at the start of the run: a fixed rate swings every system's
+    CALIBRATION_ATTAINMENT of a run of that phase's load alone, as long as a phase: 2P+1D of the prefill-heavy
+    load, 1P+2D of the decode-heavy one (a shorter run ends before long streams have piled up as they do over
+    a phase). The host sets it, measured at the start of the run: a fixed rate swings every system's
     attainment as the host's speed drifts."""
     limit = RATE_LADDER[-1]
     for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
@@ -188,7 +188,7 @@ def main() -> None:
     profile.save(default_profile_path(model))
     slo = Slo(args.ttft_slo, args.tpot_slo)
     if args.rate is None:
-        args.rate = calibrate_rate(workdir, model, slo, args.phase_s / CALIBRATION_SHORTER, args.seed, lengths)
+        args.rate = calibrate_rate(workdir, model, slo, args.phase_s, args.seed, lengths)
     print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
           f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; SLOs TTFT {slo.ttft_s * 1e3:g} ms, TPOT "
           f"{slo.tpot_s * 1e3:g} ms; balancer interval {args.interval:g} s", flush=True)

@@ -8,7 +8,15 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
-from pdrt.control_plane.balancer import LARGE_GAIN, MIN_REQUESTS, Balancer, Decision, Signals, predict_splits
+from pdrt.control_plane.balancer import (
+    LARGE_GAIN,
+    MIN_REQUESTS,
+    Balancer,
+    Decision,
+    Signals,
+    held_after_change,
+    predict_splits,
+)
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.role_changes import RoleChanges
 from pdrt.metrics.exposition import parse
@@ -185,3 +193,20 @@ def test_the_answer_length_is_read_ahead_from_what_requests_ask_for_at_the_share
     balancer.sample(gateway_counters(**ended), now=8.0)
     got = balancer.signals()
     assert got.mean_output == 500.0 and got.mean_left == 450.0
+
+
+def test_streams_held_stay_on_their_workers_through_a_change_and_a_leaving_workers_go_to_the_fewest():
+    streams = [(100, 50)] * 40
+    assert [len(s) for s in held_after_change(streams, [10, 30], 3)] == [30, 10, 0]  # a new worker starts empty
+    assert [len(s) for s in held_after_change(streams, [10, 30], 2)] == [30, 10]
+    assert [len(s) for s in held_after_change(streams, [25, 3, 12], 2)] == [25, 15]  # the least busy one leaves
+
+
+def test_a_crowded_decode_worker_is_predicted_to_stay_crowded():
+    """Streams already on the one decode worker weigh on 2P+1D, not on a split that adds a decode worker."""
+    empty = Signals(120, 64, 400, 1.0, 0, 0, 2, 1)
+    crowded = Signals(120, 64, 400, 1.0, 0, 60, 2, 1, held=(60,), mean_left=300)
+    quiet = predict_splits(PROFILE, PROFILE.serving_overheads(), empty, SLO, 1, 8, 30)
+    loaded = predict_splits(PROFILE, PROFILE.serving_overheads(), crowded, SLO, 1, 8, 30)
+    assert quiet.best == (2, 1)
+    assert loaded.best == (1, 2) and loaded.predicted[(2, 1)] < quiet.predicted[(2, 1)] - 0.3

@@ -91,3 +91,16 @@ def test_a_prefill_worker_yields_contended_cores_as_its_niceness_says():
     contended = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=1).run(requests)[1]
     assert alone.first_token == pytest.approx(0.01 + 11e-3)
     assert contended.first_token - 0.01 > 5 * 11e-3  # at a tenth of the weight until the stream ends
+
+
+def test_streams_held_as_the_run_starts_decode_on_their_worker_and_slow_the_newcomers_there():
+    held = [[(100, 9)] * 20]  # twenty streams of 100 tokens, nine tokens left each, on the one decode worker
+    new = [(0.0, RequestShape(100, 5))]
+    alone = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(new)[0]
+    served = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(new, held)
+    assert len(served) == 21 and served[0] is not served[1]
+    late, first_held = served[0], served[1]
+    assert first_held.first_token == 0.0 and first_held.finished == pytest.approx(9 * (2e-3 + 1e-4 * 20), rel=0.3)
+    assert late.finished - late.first_token > 1.5 * (alone.finished - alone.first_token)
+    with pytest.raises(ValueError, match="2 decode workers"):
+        Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(new, [[], []])

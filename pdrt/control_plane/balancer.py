@@ -89,6 +89,13 @@ class Signals:
     decode: int
     decode_steps: tuple[tuple[int, float], ...] = ()  # per decode worker: (streams, recent decode step s)
     mean_left: float | None = None  # answer tokens an open request is expected to produce still; None: unknown
+    held: tuple[int, ...] = ()  # streams held by each decode worker; () spreads decode_streams evenly
+
+    def streams_by_worker(self) -> list[int]:
+        if self.held:
+            return list(self.held)
+        share, rest = divmod(self.decode_streams, max(1, self.decode))
+        return [share + (i < rest) for i in range(self.decode)]
 
     def describe(self) -> str:
         attained = "-" if self.attainment is None else f"{self.attainment:.0%}"
@@ -110,7 +117,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     rng = random.Random(seed)
     rate = signals.requests_per_min / 60
     costs = profile.cost_model()
-    context = round(signals.mean_input + signals.mean_output / 2)
+    left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
+    context = round(signals.mean_input + max(0.0, signals.mean_output - left))  # of a stream held now
     ratios = [seconds / costs.decode_step_s(batch, batch * context, threads)
               for batch, seconds in signals.decode_steps if batch and seconds]
     if ratios:
@@ -123,8 +131,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
         return RequestShape(min(inp, max(4, profile.max_model_len - out)), out)
 
     requests = [(0.0, shape(signals.mean_input, signals.mean_output)) for _ in range(signals.prefill_waiting)]
-    left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
-    requests += [(0.0, RequestShape(4, max(1, round(left)))) for _ in range(signals.decode_streams)]
+    counts = signals.streams_by_worker()
+    streams = [(context, shape(0, left).output_tokens) for _ in range(sum(counts))]
     now = 0.0
     while rate > 0 and len(requests) < MAX_SIM_REQUESTS:
         now += rng.expovariate(rate)
@@ -135,7 +143,9 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     workers = signals.prefill + signals.decode
     options = BenchOptions(slo=slo)
     predicted = {(p, workers - p): simulate(costs, Deployment(prefill=p, decode=workers - p, threads=threads),
-                                            cores, requests, options, rate, overheads).attainment
+                                            cores, requests, options, rate, overheads,
+                                            held_after_change(streams, counts, workers - p)
+                                            ).attainment
                  for p in range(1, workers)}
     current = (signals.prefill, signals.decode)
     best = max(predicted, key=lambda s: (predicted[s], s == current))
@@ -149,6 +159,19 @@ def share_used(window: dict[str, float], since_start: dict[str, float]) -> float
         if counts["ended"] >= least and counts["ended_asked"] > 0:
             return min(1.0, counts["ended_output"] / counts["ended_asked"])
     return None
+
+
+def held_after_change(streams: list[tuple[int, int]], counts: list[int], decode: int) -> list[list[tuple[int, int]]]:
+    """`streams` placed on `decode` decode workers as they would be after a change from workers holding `counts`
+    of them: those that stay keep theirs, a worker added starts with none, and the streams of one taken away
+    (the least busy goes) move one by one to the worker with the fewest."""
+    counts = sorted(counts, reverse=True)
+    kept, moved = counts[:decode], sum(counts[decode:])
+    kept += [0] * (decode - len(kept))
+    for _ in range(moved):
+        kept[kept.index(min(kept))] += 1
+    it = iter(streams)
+    return [[next(it) for _ in range(n)] for n in kept]
 
 
 class Balancer:
@@ -233,7 +256,8 @@ class Balancer:
             prefill_waiting=sum(e.load.num_waiting for e in prefill),
             decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
             prefill=len(prefill), decode=len(decode),
-            decode_steps=tuple((e.load.num_running, e.load.decode_step_s) for e in decode))
+            decode_steps=tuple((e.load.num_running, e.load.decode_step_s) for e in decode),
+            held=tuple(e.load.num_running + e.load.num_waiting for e in decode))
 
     def due(self, now: float) -> bool:
         if not self.enabled or self.evaluating or now < self.next_at:

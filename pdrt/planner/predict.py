@@ -7,6 +7,7 @@ compare figure by figure. Goodput is read off a ladder of simulated rates as
 `pdrt bench` reads it off measured ones (pdrt.bench.goodput).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdrt.bench.goodput import DEFAULT_TARGET, Goodput, goodput
@@ -34,9 +35,11 @@ class Prediction:
 
 
 def simulate(model: CostModel, deployment: Deployment, cores: int, requests: list[tuple[float, RequestShape]],
-             options: BenchOptions, rate: float, overheads: Overheads = NO_OVERHEADS) -> RateSummary:
-    """The summary `pdrt bench` would print for these requests, had the node served them as simulated."""
-    served = Simulation(model, deployment, cores, overheads, options.slo.ttft_s).run(requests)
+             options: BenchOptions, rate: float, overheads: Overheads = NO_OVERHEADS,
+             held: Sequence[Sequence[tuple[int, int]]] = ()) -> RateSummary:
+    """The summary `pdrt bench` would print for these requests, had the node served them as simulated (with
+    `held`, Simulation.run's, judged by the pace of the tokens they have left)."""
+    served = Simulation(model, deployment, cores, overheads, options.slo.ttft_s).run(requests, held)
     records = []
     for req in served:
         record = RequestRecord(req.index, req.arrival, req.shape.input_tokens, req.shape.output_tokens,

@@ -32,7 +32,9 @@ What it models, as pdrt runs (docs/architecture.md):
   arithmetic, only while its oldest prompt has waited less than a quarter
   of the TTFT SLO (pdrt/worker_profile.py).
 * a chat turn whose conversation's previous turn has finished finds that
-  turn's prompt and answer in the prefix cache.
+  turn's prompt and answer in the prefix cache;
+* a run may start with streams already on the decode workers (the
+  balancer's prediction from a node as it stands).
 
 It does not model preemption (pools are taken as large enough), drafts,
 a decode worker's own prefills (conditional disaggregation), thread
@@ -42,6 +44,7 @@ lending, or the step guard's demotions.
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdrt.bench.workloads import RequestShape
@@ -278,11 +281,22 @@ class Simulation:
 
     # -- the clock ------------------------------------------------------------------------------------------
 
-    def run(self, requests: list[tuple[float, RequestShape]]) -> list[SimRequest]:
-        """Serve `requests` ((arrival s, lengths), in arrival order) to the end."""
+    def run(self, requests: list[tuple[float, RequestShape]],
+            held: Sequence[Sequence[tuple[int, int]]] = ()) -> list[SimRequest]:
+        """Serve `requests` ((arrival s, lengths), in arrival order) to the end. `held`: the streams the decode
+        workers hold as the run starts, per worker ((context tokens, tokens left) of each), their first tokens
+        out at 0; they come last in what is returned."""
         reqs = [SimRequest(i, t, s) for i, (t, s) in enumerate(requests)]
         for req in reqs:
             self._timer(req.arrival, ("arrive", req))
+        decoders = [w for w in self.workers if w.kind == "decode"]
+        if len(held) > len(decoders):
+            raise ValueError(f"streams held by {len(held)} decode workers, {len(decoders)} simulated")
+        for worker, streams in zip(decoders, held, strict=False):
+            for context, left in streams:
+                req = SimRequest(len(reqs), 0.0, RequestShape(max(1, context - 1), left + 1), first_token=0.0)
+                worker.running.append(req)
+                reqs.append(req)
         everyone = self.workers + self.frontends
         while True:
             for w in everyone:
