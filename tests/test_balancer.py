@@ -11,6 +11,7 @@ from pdrt.bench import Slo
 from pdrt.control_plane.balancer import (
     LARGE_GAIN,
     MIN_REQUESTS,
+    URGENT,
     Balancer,
     Decision,
     Signals,
@@ -88,6 +89,13 @@ def test_a_large_predicted_gain_is_acted_on_at_once():
     node = Node()
     assert node.balancer.act(prefill_heavy(node), decision((2, 1), gain=LARGE_GAIN + 0.1), now=100.0)
     assert len(node.sent) == 1 and node.registry.entries["decode-0"].role == "prefill"
+
+
+def test_a_current_split_predicted_to_fail_most_requests_is_left_at_once():
+    node = Node()
+    assert node.balancer.act(prefill_heavy(node), Decision((2, 1), {(1, 2): URGENT - 0.1, (2, 1): URGENT + 0.05}),
+                             now=100.0)
+    assert len(node.sent) == 1
 
 
 def test_no_second_change_within_two_intervals_nor_while_one_is_under_way():
@@ -210,3 +218,19 @@ def test_a_crowded_decode_worker_is_predicted_to_stay_crowded():
     loaded = predict_splits(PROFILE, PROFILE.serving_overheads(), crowded, SLO, 1, 8, 30)
     assert quiet.best == (2, 1)
     assert loaded.best == (1, 2) and loaded.predicted[(2, 1)] < quiet.predicted[(2, 1)] - 0.3
+
+
+def test_lengths_come_from_the_last_interval_when_enough_requests_started_in_it():
+    balancer = Node().balancer  # interval 10 s
+    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    balancer.sample(gateway_counters(**counters), now=0.0)
+    # Ten long prompts in the first interval, then ten short ones: the load now is short prompts.
+    counters |= dict(started_requests_total=10, started_prompt_tokens_total=14_000, started_max_tokens_total=160)
+    balancer.sample(gateway_counters(**counters), now=10.0)
+    counters |= dict(started_requests_total=20, started_prompt_tokens_total=14_640, started_max_tokens_total=11_160,
+                     requests_total=10, output_tokens_total=160, max_tokens_total=160)
+    balancer.sample(gateway_counters(**counters), now=20.0)
+    got = balancer.signals()
+    assert got.mean_input == 64.0 and got.mean_output == 1100.0
+    assert got.requests_per_min == 60.0  # the rate over the whole window

@@ -216,13 +216,15 @@ def test_the_sync_client_generates_streams_cancels_and_reports_status(address, t
         endless = client.stream(PROMPTS[5], params=ENDLESS)
         for i, _ in enumerate(endless):
             if i == 1:
+                left = client.status().counters["open_answer_tokens_left"]  # what the open stream may still say
+                assert ENDLESS.max_tokens > left > ENDLESS.max_tokens // 2  # two outputs in: fewer than asked
                 endless.cancel()
         assert endless.completion.finish_reason == "cancelled"
         deadline = time.monotonic() + 10
         while client.status().num_open_requests and time.monotonic() < deadline:
             time.sleep(0.05)
         status = client.status()
-        assert status.num_open_requests == 0
+        assert status.num_open_requests == 0 and status.counters["open_answer_tokens_left"] == 0
         assert sorted(w.role for w in status.workers) == ["decode", "prefill"]
 
 

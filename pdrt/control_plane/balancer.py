@@ -3,15 +3,18 @@
 Every `[controller] balance_interval_s` it reads the node's signals over
 the last two intervals:
 
-* requests a minute and their mean prompt length as they start, and the
-  SLO attainment of those that ended, from the gateways' counters
-  (`pdrt_gateway_*`);
-* their mean answer length, read ahead: the max_tokens the requests that
-  start ask for, times the share of it that ended requests used (in the
-  window, else since the gateway started). Answers that ended, or tokens
-  streamed so far, follow a change of the mix only over a stream's whole
-  life; what is asked for changes with the first requests of the new mix.
-  Before any request ended, tokens streamed per request started stand in;
+* requests a minute as they start, and the SLO attainment of those that
+  ended, from the gateways' counters (`pdrt_gateway_*`);
+* their mean prompt length as they start, over the last interval when
+  enough started in it (a window straddling a change of the mix would
+  average two loads into one that is neither);
+* their mean answer length, read ahead over the same interval: the
+  max_tokens the requests that start ask for, times the share of it that
+  ended requests used (in the window, else since the gateway started).
+  Answers that ended, or tokens streamed so far, follow a change of the
+  mix only over a stream's whole life; what is asked for changes with the
+  first requests of the new mix. Before any request ended, tokens
+  streamed per request started stand in;
 * what the open requests may still produce (the same share of their
   max_tokens left), the length the streams held now are predicted to run;
 * the queues: prompts waiting at prefill workers, streams held by decode
@@ -32,8 +35,9 @@ hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
 * the same split was best at the previous evaluation too (hysteresis),
-  unless it beats the current one by LARGE_GAIN: a load that shifts
-  swamps a worker within seconds, and waiting to confirm costs them;
+  unless it beats the current one by LARGE_GAIN or the current one is
+  predicted to miss the SLOs for most requests (below URGENT): a load that
+  shifts swamps a worker within seconds, and waiting to confirm costs them;
 * no change was made in the last two intervals;
 * no change is under way.
 
@@ -70,6 +74,7 @@ log = structlog.get_logger(__name__)
 
 MARGIN = 0.05  # of predicted attainment
 LARGE_GAIN = 0.3  # of predicted attainment: acted on without waiting for a second evaluation to confirm it
+URGENT = 0.5  # predicted attainment of the current split below which a better one is taken without waiting
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
@@ -243,15 +248,21 @@ class Balancer:
         if t1 - t0 <= 0 or delta["requests"] < MIN_REQUESTS:
             return None
         prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
+        # Lengths from the last interval alone when enough requests started in it: a window that straddles a
+        # change of the mix averages two loads into one that is neither.
+        start = next((c for t, c in reversed(self.samples) if t <= t1 - self.interval_s), first)
+        recent = {k: last[k] - start[k] for k in last}
+        lengths = recent if recent["requests"] >= MIN_REQUESTS else delta
         used = share_used(delta, last)
         if used is None:
-            mean_output, mean_left = delta["output"] / delta["requests"], None
+            mean_output, mean_left = lengths["output"] / lengths["requests"], None
         else:
-            mean_output = used * delta["asked"] / delta["requests"]
+            mean_output = used * lengths["asked"] / lengths["requests"]
             mean_left = used * last["left"] / last["open"] if last["open"] else None
         return Signals(
             requests_per_min=60 * delta["requests"] / (t1 - t0),
-            mean_input=delta["prompt"] / delta["requests"], mean_output=max(1.0, mean_output), mean_left=mean_left,
+            mean_input=lengths["prompt"] / lengths["requests"], mean_output=max(1.0, mean_output),
+            mean_left=mean_left,
             attainment=delta["met"] / delta["judged"] if delta["judged"] else None,
             prefill_waiting=sum(e.load.num_waiting for e in prefill),
             decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
@@ -294,7 +305,7 @@ class Balancer:
         if best == current or gain < MARGIN:
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"
-        elif previous != best and gain < LARGE_GAIN:
+        elif previous != best and gain < LARGE_GAIN and predicted.get(current, 0.0) >= URGENT:
             why = f"{best[0]}P+{best[1]}D best ({figures}); waiting for the next evaluation to confirm"
             action = "wait"
         elif self.roles.pending:
