@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
 from pdrt.control_plane.balancer import (
+    HORIZON_S,
     LARGE_GAIN,
     MIN_REQUESTS,
     URGENT,
@@ -173,10 +174,12 @@ def test_decode_steps_slower_than_the_profile_make_decode_workers_worth_more():
     assert loaded.best == (1, 2) and loaded.predicted[(1, 2)] - loaded.predicted[(2, 1)] > 0.5
 
 
-def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_at_least_two_intervals():
+def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_half_a_minute_at_least():
     balancer = Node().balancer  # interval 10 s, TPOT SLO 20 ms
-    assert balancer.horizon_s(signals(64, 100, 1, 2)) == 20.0  # streams of 2 s: two intervals
+    assert balancer.horizon_s(signals(64, 100, 1, 2)) == HORIZON_S  # streams of 2 s
     assert balancer.horizon_s(signals(64, 1000, 1, 2)) == 40.0  # streams of 20 s at the SLO's pace: two of them
+    balancer.interval_s = 25.0
+    assert balancer.horizon_s(signals(64, 100, 1, 2)) == 50.0  # two intervals
 
 
 def gateway_counters(**values: float) -> list:

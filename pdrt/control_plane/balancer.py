@@ -25,9 +25,11 @@ It then predicts, with `pdrt plan`'s simulator and this host's profile
 (pdrt/planner), the SLO attainment each split of the node's workers would
 give that load over the time ahead: the queues as they stand, then
 Poisson arrivals at the measured rate with lengths around the measured
-means, for two intervals or two lifetimes of a stream at the TPOT SLO,
-whichever is longer (streams pile up on a decode worker over their whole
-lives: a shorter look takes a load that will not hold for one that does);
+means, for the longest of HORIZON_S, two intervals, and two lifetimes of
+a stream at the TPOT SLO (a queue that a load just past a worker's
+capacity builds grows for tens of seconds, and streams pile up on a decode
+worker over their whole lives: a shorter look takes a load that will not
+hold for one that does);
 decode steps as much slower than the profile's as the decode workers'
 steps are now, a loaded machine being slower than the quiet one it was
 profiled on. It moves one worker toward the best split when all of these
@@ -80,6 +82,7 @@ MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
 MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, something else is wrong
 STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
+HORIZON_S = 30.0  # the prediction's horizon, at least
 
 
 @dataclass(slots=True, frozen=True)
@@ -278,7 +281,7 @@ class Balancer:
             and self._load_profile()
 
     def horizon_s(self, signals: Signals) -> float:
-        return max(2 * self.interval_s, STREAM_LIFETIMES * signals.mean_output * self.slo.tpot_s)
+        return max(HORIZON_S, 2 * self.interval_s, STREAM_LIFETIMES * signals.mean_output * self.slo.tpot_s)
 
     async def evaluate(self) -> bool:
         """Predict every split from the signals (in a thread: it takes a moment), then act on the prediction;
