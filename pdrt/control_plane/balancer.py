@@ -107,7 +107,7 @@ class Signals:
 
     def describe(self) -> str:
         attained = "-" if self.attainment is None else f"{self.attainment:.0%}"
-        left = "" if self.mean_left is None else f" ({self.mean_left:.0f} left to open requests)"
+        left = "" if self.mean_left is None else f" ({self.mean_left:.0f} left per open request)"
         return (f"{self.requests_per_min:.0f} req/min, in {self.mean_input:.0f} / out {self.mean_output:.0f}{left} "
                 f"tokens, attainment {attained}, queues {self.prefill_waiting} prompts / {self.decode_streams} "
                 f"streams, {self.prefill}P+{self.decode}D")
