@@ -206,7 +206,7 @@ def test_the_answer_length_is_read_ahead_from_what_requests_ask_for_at_the_share
     assert got.mean_output == 500.0 and got.mean_left == 450.0
 
 
-def test_streams_held_stay_on_their_workers_through_a_change_and_a_leaving_workers_go_to_the_fewest():
+def test_streams_held_stay_on_their_workers_through_a_change_and_those_of_a_leaving_worker_go_to_the_fewest():
     streams = [(100, 50)] * 40
     assert [len(s) for s in held_after_change(streams, [10, 30], 3)] == [30, 10, 0]  # a new worker starts empty
     assert [len(s) for s in held_after_change(streams, [10, 30], 2)] == [30, 10]

@@ -98,7 +98,7 @@ def test_streams_held_as_the_run_starts_decode_on_their_worker_and_slow_the_newc
     new = [(0.0, RequestShape(100, 5))]
     alone = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(new)[0]
     served = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(new, held)
-    assert len(served) == 21 and served[0] is not served[1]
+    assert len(served) == 21  # the held streams come last
     late, first_held = served[0], served[1]
     assert first_held.first_token == 0.0 and first_held.finished == pytest.approx(9 * (2e-3 + 1e-4 * 20), rel=0.3)
     assert late.finished - late.first_token > 1.5 * (alone.finished - alone.first_token)
