@@ -98,16 +98,29 @@ async def drive(address: str, requests: list[tuple[float, RequestShape]], slo: S
     return run.records
 
 
-def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interval_s: float, seed: int) -> dict:
+def system_node(workdir: Path, model: str, name: str, slo: Slo, interval_s: float | None = None) -> Node:
+    """A node of the split SYSTEMS[name] names, with its balancer when that system has one (`interval_s`: the
+    balancer's interval, left to the default when None)."""
     prefill, decode, balance = SYSTEMS[name]
-    node = Node(workdir, model, engine=DEFAULT_POOL, extra={
+    controller = {"balance": balance, "metrics_port": free_port()}
+    if interval_s is not None:
+        controller["balance_interval_s"] = interval_s
+    return Node(workdir, model, engine=DEFAULT_POOL, extra={
         "prefill": {"count": prefill}, "decode": {"count": decode},
         "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
-        "controller": {"balance": balance, "balance_interval_s": interval_s, "metrics_port": free_port()},
+        "controller": controller,
         "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
+
+
+def warm_up(address: str, seed: int) -> None:
+    """A few short requests first: a process's first forward passes are slow."""
+    asyncio.run(drive(address, [(0.05 * i, RequestShape(64, 8)) for i in range(5)], Slo(60, 60), seed))
+
+
+def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interval_s: float, seed: int) -> dict:
+    node = system_node(workdir, model, name, slo, interval_s)
     with node:
-        warm = [(0.05 * i, RequestShape(64, 8)) for i in range(5)]
-        asyncio.run(drive(node.address, warm, Slo(60, 60), seed + 999))
+        warm_up(node.address, seed + 999)
         records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed))
         flips = node.role_changes_ms()
     phases = [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo)
@@ -131,15 +144,10 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
     attainment as the host's speed drifts."""
     limit = RATE_LADDER[-1]
     for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
-        prefill, decode, _ = SYSTEMS[name]
-        node = Node(workdir / f"calibration-{name}", model, engine=DEFAULT_POOL, extra={
-            "prefill": {"count": prefill}, "decode": {"count": decode},
-            "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
-            "controller": {"balance": False, "metrics_port": free_port()},
-            "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
         held = RATE_LADDER[0]
+        node = system_node(workdir / f"calibration-{name}", model, name, slo)
         with node:
-            asyncio.run(drive(node.address, [(0.05 * i, RequestShape(64, 8)) for i in range(5)], Slo(60, 60), seed))
+            warm_up(node.address, seed)
             for rate in (r for r in RATE_LADDER if r <= limit):
                 requests = workload(rate, phase_s, seed + 500, lengths, (phase,))
                 records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed + 500))
