@@ -1,11 +1,13 @@
 """The planner: fits of step times, the simulator's arithmetic on hand-made costs, predictions that order
-deployments as their costs say, and a profile measured on the tiny model and read back."""
+deployments as their costs say, the per-stream cost fitted back from a loaded node's TPOT, and a profile
+measured on the tiny model and read back."""
 
 import pytest
 
 from pdrt.bench import BenchOptions, Slo
 from pdrt.bench.workloads import LengthLimits, RequestShape
 from pdrt.planner.cost_model import CostModel, StepFit, ThreadsFit, fit_step
+from pdrt.planner.overheads import LOADED, fit_decode_seq, simulated_tpot
 from pdrt.planner.predict import predict
 from pdrt.planner.profile import Profile, measure_profile
 from pdrt.planner.simulator import Deployment, Overheads, Simulation
@@ -58,6 +60,16 @@ def test_frontend_cpu_delays_tokens_and_takes_cores():
     served = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=4, overheads=overheads).run(
         [(0.0, RequestShape(100, 1))])[0]
     assert served.first_token == pytest.approx(2e-3 + 2e-3)
+
+
+def test_the_cost_a_stream_adds_to_a_step_is_fitted_back_from_the_tpot_it_gives_a_loaded_node():
+    truth = Overheads(step_overhead_s=1e-4, decode_seq_s=7e-5, gateway_token_s=3e-5, client_token_s=3e-5)
+    for cores in (2, 8):  # the node's processes contend for two cores, and do not for eight
+        tpot = simulated_tpot(COSTS, truth, cores, LOADED)
+        fitted = fit_decode_seq(COSTS, Overheads(step_overhead_s=1e-4, gateway_token_s=3e-5, client_token_s=3e-5),
+                                cores, LOADED, tpot)
+        assert fitted == pytest.approx(truth.decode_seq_s, rel=1e-3)
+    assert fit_decode_seq(COSTS, truth, 8, LOADED, simulated_tpot(COSTS, Overheads(), 8, LOADED)) == 0.0
 
 
 def test_more_decode_workers_predict_more_goodput_for_long_answers_and_more_prefill_for_long_prompts():

@@ -1,27 +1,31 @@
-"""What serving adds to the model's steps, measured on a running node at light load.
+"""What serving adds to the model's steps, measured on a running node.
 
-A node serves one request at a time (each sent after the last has ended),
-prompts of PROMPT tokens and answers of ANSWER tokens, over pdrt's native
-protocol. Against the cost model of the same machine:
+A node of one prefill and two decode workers (a thread each) serves, over
+pdrt's native protocol, prompts of PROMPT tokens. Against the cost model of
+the same machine:
 
-* the median gap between two tokens of a stream, less the decode step the
-  model needs, is what each step costs around the model (`step_overhead_s`:
-  the worker's loop, its outputs, the gateway, the client);
-* the median TTFT, less the prompt's step and that overhead, is how long a
-  token takes to reach the client (`token_latency_s`);
-* the median first gap after the first token, less a usual gap, is the KV
+* one request at a time (each sent after the last has ended), answers of
+  ANSWER tokens: the median gap between two tokens of a stream, less the
+  decode step the model needs, is what each step costs around the model
+  (`step_overhead_s`: the worker's loop, its outputs, the gateway, the
+  client); the median TTFT, less the prompt's step and that overhead, is
+  how long a token takes to reach the client (`token_latency_s`); the
+  median first gap after the first token, less a usual gap, is the KV
   handoff's cost (`handoff_s`);
-* BATCH requests sent at once, with longer answers, decode together: their
-  median gap, less the model's step for that batch and the step overhead,
-  is what each stream adds to a step around the model (`decode_seq_s`: its
-  output to send).
-
-Then two heavier loads, answers of ANSWER tokens and of one token, give the
-CPU the gateway (read from /proc) and the client (this process) spend per
-request and per output token.
+* LOADED_STREAMS requests per decode worker sent at once, with answers of
+  LOADED_ANSWER tokens, load the node as serving does: the decode workers,
+  the gateway and the client all busy, on a small host more than its cores.
+  The CPU the gateway (read from /proc) and the client (this process) spend
+  then, against a load of one-token answers, gives their CPU per request
+  and per output token. What each stream adds to a step around the model
+  (`decode_seq_s`: its output to send, and what the node's processes cost
+  each other's caches) is the value at which the simulator, with every
+  other figure in place, gives these requests the median TPOT they had.
 """
 
 import asyncio
+import dataclasses
+import os
 import statistics
 import tempfile
 import time
@@ -33,20 +37,29 @@ from pdrt.bench.runner import BenchOptions, run_rate
 from pdrt.bench.stats import Slo
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
-from pdrt.planner.simulator import Overheads
+from pdrt.planner.simulator import Deployment, Overheads, Simulation
 
 PROMPT, ANSWER = 64, 32
 NUM_REQUESTS = 8
-CPU_REQUESTS = 120
-BATCH = 16
-# The heavier loads' rate: this many requests' worth of light-load latency in flight. Per token, the gateway and
-# the client spend less under load, where one wake-up reads many frames; goodput is decided near saturation.
+DECODE_WORKERS = 2
+LOADED_STREAMS = 12  # per decode worker
+LOADED_ANSWER = 256
+CPU_REQUESTS = 120  # of one-token answers
+# Their rate: this many requests' worth of light-load latency in flight. Per request, the gateway and the client
+# spend less under load, where one wake-up reads many frames; goodput is decided near saturation.
 CPU_CONCURRENCY = 32
+FIT_STEPS = 40  # bisections of decode_seq_s
+LOADED = [(0.0, RequestShape(PROMPT, LOADED_ANSWER))] * (LOADED_STREAMS * DECODE_WORKERS)  # sent at once
 
 
-async def _loads(address: str, gateway_pid: int) -> tuple[list, list, list[tuple[int, int, float, float]]]:
-    """The light load's records, the batch's, and per heavier load (requests, output tokens, gateway CPU s,
-    client CPU s)."""
+@dataclasses.dataclass(slots=True)
+class _Measured:
+    light: list  # records of the light load
+    loaded: list  # records of the loaded one
+    cpu: list[tuple[int, int, float, float]]  # per CPU load: requests, output tokens, gateway CPU s, client CPU s
+
+
+async def _loads(address: str, gateway_pid: int) -> _Measured:
     driver = make_driver(Target(address))
     info = await driver.open()
     options = BenchOptions(slo=Slo(600, 600), max_model_len=info.max_model_len)
@@ -56,22 +69,22 @@ async def _loads(address: str, gateway_pid: int) -> tuple[list, list, list[tuple
         e2e = first.records[0].e2e_s or 1.0
         requests = [(i * 2 * e2e, RequestShape(PROMPT, ANSWER)) for i in range(NUM_REQUESTS)]
         light = await run_rate(driver, info, options, None, "overheads-1", requests=requests)
-        batch = await run_rate(driver, info, options, None, "overheads-batch",
-                               requests=[(0.0, RequestShape(PROMPT, 4 * ANSWER)) for _ in range(BATCH)])
-        cpu = []
-        for answer in (ANSWER, 1):
-            gap = e2e / CPU_CONCURRENCY
-            requests = [(i * gap, RequestShape(PROMPT, answer)) for i in range(CPU_REQUESTS)]
+        cpu, loaded = [], []
+        gap = e2e / CPU_CONCURRENCY
+        for name, requests in (
+                ("loaded", LOADED),
+                ("one-token", [(i * gap, RequestShape(PROMPT, 1)) for i in range(CPU_REQUESTS)])):
             gateway, client = cpu_seconds(gateway_pid), time.process_time()
-            run = await run_rate(driver, info, options, None, f"overheads-{answer}", requests=requests)
+            run = await run_rate(driver, info, options, None, f"overheads-{name}", requests=requests)
             cpu.append((len(run.records), sum(r.num_output_tokens for r in run.records),
                         cpu_seconds(gateway_pid) - gateway, time.process_time() - client))
+            loaded = loaded or run.records
     finally:
         await driver.close()
-    bad = [r.error for r in light.records + batch.records if not r.ok]
+    bad = [r.error for r in light.records + loaded if not r.ok]
     if bad:
-        raise RuntimeError(f"light-load requests failed: {bad}")
-    return light.records, batch.records, cpu
+        raise RuntimeError(f"the node failed requests while measured: {bad}")
+    return _Measured(light.records, loaded, cpu)
 
 
 def _per_request_and_token(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -83,26 +96,51 @@ def _per_request_and_token(loads: list[tuple[int, int, float]]) -> tuple[float, 
     return per_request, per_token
 
 
+def simulated_tpot(costs: CostModel, overheads: Overheads, cores: int, requests: list[tuple[float, RequestShape]]
+                   ) -> float:
+    """The median TPOT the simulator gives `requests` on a node of one prefill and DECODE_WORKERS decode workers."""
+    served = Simulation(costs, Deployment(prefill=1, decode=DECODE_WORKERS), cores, overheads).run(requests)
+    return statistics.median((r.finished - r.first_token) / (r.shape.output_tokens - 1) for r in served
+                             if r.finished is not None and r.first_token is not None and r.shape.output_tokens > 1)
+
+
+def fit_decode_seq(costs: CostModel, overheads: Overheads, cores: int, requests: list[tuple[float, RequestShape]],
+                   tpot_s: float) -> float:
+    """The `decode_seq_s` at which the simulator gives `requests` the median TPOT `tpot_s` (0 when even none
+    makes them slower)."""
+    low, high = 0.0, tpot_s
+    if simulated_tpot(costs, dataclasses.replace(overheads, decode_seq_s=low), cores, requests) >= tpot_s:
+        return 0.0
+    for _ in range(FIT_STEPS):
+        mid = (low + high) / 2
+        if simulated_tpot(costs, dataclasses.replace(overheads, decode_seq_s=mid), cores, requests) < tpot_s:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
 def measure_overheads(model: str, costs: CostModel) -> Overheads:
-    """Start a node of one prefill and one decode worker (a thread each) on `model`, and measure."""
+    """Start a node of one prefill and DECODE_WORKERS decode workers (a thread each) on `model`, and measure."""
     from pdrt.testing.node import Node
 
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
-                    extra={"experimental": {"prefill_threads": 1, "decode_threads": 1}, "gateway": {"http_port": 0}})
+                    extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},
+                           "experimental": {"prefill_threads": 1, "decode_threads": 1}})
         with node:
-            records, batch, cpu = asyncio.run(_loads(node.address, node.child_pids()["gateway"]))
-    gaps = [g for r in records for g in r.itls_s[1:]]
-    gap = statistics.median(gaps)
+            measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"]))
+    records = measured.light
+    gap = statistics.median(g for r in records for g in r.itls_s[1:])
     step = max(0.0, gap - costs.decode_step_s(1, PROMPT + ANSWER // 2))
     ttft = statistics.median(r.ttft_s for r in records)
     latency = max(0.0, ttft - costs.prefill_s(PROMPT) - step)
     handoff = max(0.0, statistics.median(r.itls_s[0] for r in records) - gap)
-    batch_gap = statistics.median(g for r in batch for g in r.itls_s[1:])
-    context = PROMPT + 2 * ANSWER
-    per_seq = max(0.0, (batch_gap - step - costs.decode_step_s(BATCH, BATCH * context)) / BATCH)
-    gateway = _per_request_and_token([(r, t, g) for r, t, g, _ in cpu])
-    client = _per_request_and_token([(r, t, c) for r, t, _, c in cpu])
-    return Overheads(step_overhead_s=step, decode_seq_s=per_seq, token_latency_s=latency, handoff_s=handoff,
-                     gateway_request_s=gateway[0],
-                     gateway_token_s=gateway[1], client_request_s=client[0], client_token_s=client[1])
+    gateway = _per_request_and_token([(r, t, g) for r, t, g, _ in measured.cpu])
+    client = _per_request_and_token([(r, t, c) for r, t, _, c in measured.cpu])
+    overheads = Overheads(step_overhead_s=step, token_latency_s=latency, handoff_s=handoff,
+                          gateway_request_s=gateway[0], gateway_token_s=gateway[1], client_request_s=client[0],
+                          client_token_s=client[1])
+    tpot = statistics.median(r.tpot_s for r in measured.loaded)
+    return dataclasses.replace(overheads, decode_seq_s=fit_decode_seq(costs, overheads, os.cpu_count() or 1,
+                                                                      LOADED, tpot))
