@@ -130,7 +130,7 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     ratios = [seconds / costs.decode_step_s(batch, batch * context, threads)
               for batch, seconds in signals.decode_steps if batch and seconds]
     if ratios:
-        costs = costs.slower_decode(min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))))
+        costs = costs.slower(decode=min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))))
 
     def shape(mean_in: float, mean_out: float) -> RequestShape:
         mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean

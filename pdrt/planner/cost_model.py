@@ -87,10 +87,14 @@ class CostModel:
         factor = threads / nearest
         return ThreadsFit(fit.prefill.scaled(factor), fit.decode.scaled(factor))
 
-    def slower_decode(self, factor: float) -> "CostModel":
-        """The same model with every decode step `factor` times as long (as measured on a loaded machine)."""
-        fits = {t: ThreadsFit(f.prefill, StepFit(f.decode.fixed * factor, f.decode.per_token * factor,
-                                                 f.decode.per_attention * factor)) for t, f in self.fits.items()}
+    def slower(self, prefill: float = 1.0, decode: float = 1.0) -> "CostModel":
+        """The same model with every prompt `prefill` times and every decode step `decode` times as long (as
+        measured on a loaded machine, or on a shared host slower now than when it was profiled)."""
+
+        def scaled(fit: StepFit, factor: float) -> StepFit:
+            return StepFit(fit.fixed * factor, fit.per_token * factor, fit.per_attention * factor)
+
+        fits = {t: ThreadsFit(scaled(f.prefill, prefill), scaled(f.decode, decode)) for t, f in self.fits.items()}
         return CostModel(fits, self.kv_bytes_per_token, self.num_params)
 
     def parallelism(self, threads: int) -> float:

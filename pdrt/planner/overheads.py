@@ -13,14 +13,15 @@ the same machine:
   median first gap after the first token, less a usual gap, is the KV
   handoff's cost (`handoff_s`);
 * LOADED_STREAMS requests per decode worker sent at once, with answers of
-  LOADED_ANSWER tokens, load the node as serving does: the decode workers,
+  LOADED_ANSWER tokens (LOADED_REPEATS times), load the node as serving does: the decode workers,
   the gateway and the client all busy, on a small host more than its cores.
   The CPU the gateway (read from /proc) and the client (this process) spend
   then, against a load of one-token answers, gives their CPU per request
   and per output token. What each stream adds to a step around the model
   (`decode_seq_s`: its output to send, and what the node's processes cost
   each other's caches) is the value at which the simulator, with every
-  other figure in place, gives these requests the median TPOT they had.
+  other figure in place, gives these requests the median TPOT they had
+  (the median of the repeats').
 """
 
 import asyncio
@@ -44,6 +45,7 @@ NUM_REQUESTS = 8
 DECODE_WORKERS = 2
 LOADED_STREAMS = 12  # per decode worker
 LOADED_ANSWER = 256
+LOADED_REPEATS = 3
 CPU_REQUESTS = 120  # of one-token answers
 # Their rate: this many requests' worth of light-load latency in flight. Per request, the gateway and the client
 # spend less under load, where one wake-up reads many frames; goodput is decided near saturation.
@@ -55,7 +57,7 @@ LOADED = [(0.0, RequestShape(PROMPT, LOADED_ANSWER))] * (LOADED_STREAMS * DECODE
 @dataclasses.dataclass(slots=True)
 class _Measured:
     light: list  # records of the light load
-    loaded: list  # records of the loaded one
+    loaded_tpots: list[float]  # the median TPOT of each loaded run
     cpu: list[tuple[int, int, float, float]]  # per CPU load: requests, output tokens, gateway CPU s, client CPU s
 
 
@@ -69,22 +71,27 @@ async def _loads(address: str, gateway_pid: int) -> _Measured:
         e2e = first.records[0].e2e_s or 1.0
         requests = [(i * 2 * e2e, RequestShape(PROMPT, ANSWER)) for i in range(NUM_REQUESTS)]
         light = await run_rate(driver, info, options, None, "overheads-1", requests=requests)
-        cpu, loaded = [], []
+        cpu, tpots, records = [], [], list(light.records)
         gap = e2e / CPU_CONCURRENCY
-        for name, requests in (
-                ("loaded", LOADED),
-                ("one-token", [(i * gap, RequestShape(PROMPT, 1)) for i in range(CPU_REQUESTS)])):
+        loads = [("loaded", LOADED)] * LOADED_REPEATS + [
+            ("one-token", [(i * gap, RequestShape(PROMPT, 1)) for i in range(CPU_REQUESTS)])]
+        for name, requests in loads:
             gateway, client = cpu_seconds(gateway_pid), time.process_time()
             run = await run_rate(driver, info, options, None, f"overheads-{name}", requests=requests)
-            cpu.append((len(run.records), sum(r.num_output_tokens for r in run.records),
-                        cpu_seconds(gateway_pid) - gateway, time.process_time() - client))
-            loaded = loaded or run.records
+            used = (len(run.records), sum(r.num_output_tokens for r in run.records),
+                    cpu_seconds(gateway_pid) - gateway, time.process_time() - client)
+            if name == "loaded":
+                tpots.append(statistics.median(r.tpot_s or 0.0 for r in run.records))
+                cpu = cpu or [used]
+            else:
+                cpu.append(used)
+            records += run.records
     finally:
         await driver.close()
-    bad = [r.error for r in light.records + loaded if not r.ok]
+    bad = [r.error for r in records if not r.ok]
     if bad:
         raise RuntimeError(f"the node failed requests while measured: {bad}")
-    return _Measured(light.records, loaded, cpu)
+    return _Measured(light.records, tpots, cpu)
 
 
 def _per_request_and_token(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -141,6 +148,6 @@ def measure_overheads(model: str, costs: CostModel) -> Overheads:
     overheads = Overheads(step_overhead_s=step, token_latency_s=latency, handoff_s=handoff,
                           gateway_request_s=gateway[0], gateway_token_s=gateway[1], client_request_s=client[0],
                           client_token_s=client[1])
-    tpot = statistics.median(r.tpot_s for r in measured.loaded)
+    tpot = statistics.median(measured.loaded_tpots)
     return dataclasses.replace(overheads, decode_seq_s=fit_decode_seq(costs, overheads, os.cpu_count() or 1,
                                                                       LOADED, tpot))

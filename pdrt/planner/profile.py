@@ -118,7 +118,7 @@ def _median_time(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-class _Bench:
+class StepBench:
     """One engine, stepped by hand: each call times one kind of step."""
 
     def __init__(self, engine) -> None:
@@ -173,31 +173,38 @@ class _Bench:
         return seconds
 
 
+def profiling_engine(model: str, loaded, max_context: int):
+    """An engine of `model` (loaded) as the profile steps it: no chunking, a pool for the largest batch."""
+    from pdrt.engine import EngineConfig, LLMEngine
+    from pdrt.engine.kv_pool import KVLayout
+
+    layout = KVLayout.for_model(loaded.model.config, BLOCK_SIZE, loaded.model.dtype)
+    needed = MAX_BATCH * (max(DECODE_CONTEXTS) + 2 * BLOCK_SIZE) * layout.bytes_per_block // BLOCK_SIZE
+    return LLMEngine(EngineConfig(model=model, kv_cache_memory_bytes=min(MAX_POOL_BYTES, needed),
+                                  block_size=BLOCK_SIZE, max_num_seqs=MAX_BATCH, speculate="off",
+                                  max_num_batched_tokens=1 << 16, max_prefill_chunk_size=1 << 16,
+                                  max_model_len=max_context), loaded)
+
+
 def measure_profile(model: str, threads: list[int] | None = None, max_context: int = 2048,
                     repeats: int = REPEATS, log: Callable[[str], None] = lambda _: None) -> Profile:
     """Measure `model` (a checkpoint directory) on this machine; a few minutes for a 135M model on 2 cores."""
     import torch
 
-    from pdrt.engine import EngineConfig, LLMEngine
-    from pdrt.engine.kv_pool import KVLayout
     from pdrt.engine.model_loader import load_model
 
     cores = os.cpu_count() or 1
     loaded = load_model(model)
-    layout = KVLayout.for_model(loaded.model.config, BLOCK_SIZE, loaded.model.dtype)
-    needed = MAX_BATCH * (max(DECODE_CONTEXTS) + 2 * BLOCK_SIZE) * layout.bytes_per_block // BLOCK_SIZE
     profile: Profile | None = None
     for t in threads or thread_counts(cores):
         torch.set_num_threads(t)
-        engine = LLMEngine(EngineConfig(model=model, kv_cache_memory_bytes=min(MAX_POOL_BYTES, needed),
-                                        block_size=BLOCK_SIZE, max_num_seqs=MAX_BATCH, speculate="off",
-                                        max_num_batched_tokens=1 << 16, max_prefill_chunk_size=1 << 16,
-                                        max_model_len=max_context), loaded)
+        engine = profiling_engine(model, loaded, max_context)
+        layout = engine.pool.layout
         max_len = engine.max_model_len
         if profile is None:
             profile = Profile(Path(model).name, host_cpu(), cores, layout.bytes_per_block // layout.block_size,
                               max_len, loaded.num_params)
-        bench = _Bench(engine)
+        bench = StepBench(engine)
         bench.prefill(16, 0, 1)  # the first forward passes of a process are slow
         prefill, decode = [], []
         n = 16
@@ -232,3 +239,30 @@ def profile_model(model: str, threads: list[int] | None = None, max_context: int
         log("measuring a node at light load")
         profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
     return profile
+
+
+class SpeedProbe:
+    """This host's speed now against a profile of it: a prompt and a decode step, timed as the profile timed
+    them, over what its fits say. A shared host drifts by tens of percent within an hour; a prediction compared
+    with a run it serves is fair only at the speed the host had then."""
+
+    PROMPT = 1024
+    BATCH, CONTEXT = 16, 256
+    REPEATS = 5
+
+    def __init__(self, model: str, profile: Profile, threads: int = 1) -> None:
+        import torch
+
+        from pdrt.engine.model_loader import load_model
+
+        torch.set_num_threads(threads)
+        self.costs, self.threads = profile.cost_model(), threads
+        self.bench = StepBench(profiling_engine(model, load_model(model), profile.max_model_len))
+        self.bench.prefill(16, 0, 1)  # the first forward passes of a process are slow
+
+    def factors(self) -> tuple[float, float]:
+        """(prefill, decode): how many times as long as the profile says a prompt and a decode step take now."""
+        prefill = self.bench.prefill(self.PROMPT, 0, self.REPEATS) / self.costs.prefill_s(self.PROMPT, 0, self.threads)
+        decode = (self.bench.decode(self.BATCH, self.CONTEXT, self.REPEATS)
+                  / self.costs.decode_step_s(self.BATCH, self.BATCH * self.CONTEXT, self.threads))
+        return prefill, decode
