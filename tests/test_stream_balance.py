@@ -69,9 +69,12 @@ def balance(registry: Registry, pending: set[str] = frozenset(), enabled: bool =
     (((3, 0.0), (9, 0.03), (6, 0.0)), [(b"d1", 3)]),  # the most crowded sheds, toward the emptiest
     (((8, 0.005), (0, 0.0)), []),  # under the SLO: its streams are served, a move would cost a prefill
     (((5, 0.02), (4, 0.0)), []),  # a gap of one moves nothing
+    (((25, 0.02), (22, 0.009)), []),  # a gap small against the load: both are crowded, a move changes neither
+    (((20, 0.02), (10, 0.012)), []),  # the fewest misses the SLO too: moved streams would go on missing it
+    (((16, 0.012), (8, 0.006)), [(b"d0", 4)]),
     (((8, 0.02),), []),  # no other decode worker
 ])
-def test_the_crowded_decode_worker_is_asked_to_shed_half_the_gap_only_while_over_the_slo(loads, asked):
+def test_the_crowded_decode_worker_sheds_half_the_gap_only_while_over_the_slo_to_one_within_it(loads, asked):
     streams, sent = balance(decode_workers(*loads))
     streams.tick(now=10.0)
     assert [(identity, m.count) for identity, m in sent] == asked

@@ -6,8 +6,12 @@ or one whose streams ended early, is left with few while another keeps
 many and misses the TPOT SLO. Each controller tick, when the decode worker
 with the most streams
 
-* steps slower than the TPOT SLO (its streams miss it now), and
-* holds at least MIN_GAP streams more than the one with the fewest,
+* steps slower than the TPOT SLO (its streams miss it now),
+* holds at least MIN_GAP streams more than the one with the fewest, and at
+  least MIN_SHARE of its own streams more (a move between two workers
+  about as crowded changes neither's step, and costs a prefill each), and
+* the one with the fewest steps within the SLO (streams moved to a worker
+  that misses it too go on missing it, after a prefill),
 
 it is asked (`ShedStreams`) to send half the difference on. They go as
 continuations, which the gateways route to the decode worker with the
@@ -29,6 +33,7 @@ from pdrt.wire import ShedStreams
 log = structlog.get_logger(__name__)
 
 MIN_GAP = 2  # streams: a gap of one moves nothing
+MIN_SHARE = 0.25  # of the crowded worker's streams: a smaller gap is noise between two loaded workers
 COOLDOWN_S = 2.0
 
 
@@ -56,7 +61,8 @@ class StreamBalance:
         most = max(workers, key=lambda e: e.load.num_running)
         fewest = min(workers, key=lambda e: e.load.num_running)
         gap = most.load.num_running - fewest.load.num_running
-        if gap < MIN_GAP or most.load.step_s <= self.tpot_slo_s:
+        if (gap < max(MIN_GAP, MIN_SHARE * most.load.num_running) or most.load.step_s <= self.tpot_slo_s
+                or fewest.load.step_s > self.tpot_slo_s):
             return 0
         count = gap // 2
         reason = (f"{most.process_id} holds {most.load.num_running} streams, stepping in "
