@@ -168,12 +168,12 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed: tuple[float, float] = (1.0, 1.0)
                          ) -> float:
     """What the simulator predicts of system `name` over `requests`, with prompts and decode steps `speed` times
-    as long as the profile says."""
+    as long as the profile says (and what serving adds to them as long as the decode steps)."""
     prefill, decode, _ = SYSTEMS[name]
     options = BenchOptions(slo=slo)
-    costs = profile.cost_model().slower(*speed)
-    summary = simulate(costs, Deployment(prefill=prefill, decode=decode), os.cpu_count() or 2,
-                       [(t, s) for t, s, _ in requests], options, 0.0, profile.serving_overheads())
+    summary = simulate(profile.cost_model().slower(*speed), Deployment(prefill=prefill, decode=decode),
+                       os.cpu_count() or 2, [(t, s) for t, s, _ in requests], options, 0.0,
+                       profile.serving_overheads().slower(speed[1]))
     return summary.attainment
 
 

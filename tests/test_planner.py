@@ -72,6 +72,15 @@ def test_the_cost_a_stream_adds_to_a_step_is_fitted_back_from_the_tpot_it_gives_
     assert fit_decode_seq(COSTS, truth, 8, LOADED, simulated_tpot(COSTS, Overheads(), 8, LOADED)) == 0.0
 
 
+def test_a_slower_host_takes_every_cost_as_much_longer_and_moves_bytes_as_fast():
+    slower = COSTS.slower(prefill=2.0, decode=3.0)
+    assert slower.prefill_s(100) == pytest.approx(2 * COSTS.prefill_s(100))
+    assert slower.decode_step_s(8, 800) == pytest.approx(3 * COSTS.decode_step_s(8, 800))
+    overheads = Overheads(step_overhead_s=1e-4, decode_seq_s=5e-5, handoff_s=1e-3, gateway_token_s=2e-5)
+    assert overheads.slower(2.0) == Overheads(step_overhead_s=2e-4, decode_seq_s=1e-4, handoff_s=2e-3,
+                                              gateway_token_s=4e-5)
+
+
 def test_more_decode_workers_predict_more_goodput_for_long_answers_and_more_prefill_for_long_prompts():
     options = BenchOptions(duration_s=10, slo=Slo(0.05, 0.01), max_model_len=2048)
     limits = LengthLimits(2048)

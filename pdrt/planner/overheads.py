@@ -22,6 +22,12 @@ the same machine:
   each other's caches) is the value at which the simulator, with every
   other figure in place, gives these requests the median TPOT they had
   (the median of the repeats').
+
+A shared host's speed drifts within minutes, and each figure above is what
+is left of a measurement once the model's steps are taken away: the steps
+are taken at the host's speed around the node's run (SpeedProbe, a prompt
+and a decode step timed in this process just before and after), and the
+figures then given at the speed the profile's steps were measured at.
 """
 
 import asyncio
@@ -38,6 +44,7 @@ from pdrt.bench.runner import BenchOptions, run_rate
 from pdrt.bench.stats import Slo
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
+from pdrt.planner.profile import Profile, SpeedProbe
 from pdrt.planner.simulator import Deployment, Overheads, Simulation
 
 PROMPT, ANSWER = 64, 32
@@ -127,16 +134,23 @@ def fit_decode_seq(costs: CostModel, overheads: Overheads, cores: int, requests:
     return (low + high) / 2
 
 
-def measure_overheads(model: str, costs: CostModel) -> Overheads:
-    """Start a node of one prefill and DECODE_WORKERS decode workers (a thread each) on `model`, and measure."""
+def measure_overheads(model: str, profile: Profile) -> Overheads:
+    """Start a node of one prefill and DECODE_WORKERS decode workers (a thread each) on `model`, and measure, the
+    profile's step times taken at the host's speed around the node's run (SpeedProbe); the figures returned are
+    at the speed the profile was measured at."""
     from pdrt.testing.node import Node
 
+    probe = SpeedProbe(model, profile)
+    before = probe.factors()
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
                     extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},
                            "experimental": {"prefill_threads": 1, "decode_threads": 1}})
         with node:
             measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"]))
+    after = probe.factors()
+    speed = [(b * a) ** 0.5 for b, a in zip(before, after, strict=True)]
+    costs = profile.cost_model().slower(*speed)
     records = measured.light
     gap = statistics.median(g for r in records for g in r.itls_s[1:])
     step = max(0.0, gap - costs.decode_step_s(1, PROMPT + ANSWER // 2))
@@ -149,5 +163,6 @@ def measure_overheads(model: str, costs: CostModel) -> Overheads:
                           gateway_request_s=gateway[0], gateway_token_s=gateway[1], client_request_s=client[0],
                           client_token_s=client[1])
     tpot = statistics.median(measured.loaded_tpots)
-    return dataclasses.replace(overheads, decode_seq_s=fit_decode_seq(costs, overheads, os.cpu_count() or 1,
-                                                                      LOADED, tpot))
+    overheads = dataclasses.replace(overheads, decode_seq_s=fit_decode_seq(costs, overheads, os.cpu_count() or 1,
+                                                                           LOADED, tpot))
+    return overheads.slower(1 / speed[1])

@@ -236,8 +236,8 @@ def profile_model(model: str, threads: list[int] | None = None, max_context: int
     if serving:
         from pdrt.planner.overheads import measure_overheads
 
-        log("measuring a node at light load")
-        profile.overheads = asdict(measure_overheads(model, profile.cost_model()))
+        log("measuring a node of one prefill and two decode workers")
+        profile.overheads = asdict(measure_overheads(model, profile))
     return profile
 
 

@@ -45,7 +45,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
@@ -87,6 +87,11 @@ class Overheads:
     gateway_token_s: float = 0.0
     client_request_s: float = 0.0  # the same for the client (`pdrt bench`, or the application)
     client_token_s: float = 0.0
+
+    def slower(self, factor: float) -> "Overheads":
+        """The same costs `factor` times as long (a host slower or faster than when they were measured)."""
+        return Overheads(**{f.name: getattr(self, f.name) * (1 if f.name == "transfer_bytes_per_s" else factor)
+                            for f in fields(self)})
 
 
 @dataclass(slots=True)
