@@ -164,7 +164,7 @@ def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, 
         assert any(line.startswith("balancer at ") for line in summary_lines(scrape(node)[1]))
 
 
-def test_decode_steps_slower_than_the_profile_make_decode_workers_worth_more():
+def test_decode_steps_of_enough_streams_slower_than_the_profile_make_decode_workers_worth_more():
     quiet = predict_splits(PROFILE, PROFILE.serving_overheads(), Signals(120, 64, 400, 1.0, 0, 0, 2, 1), SLO, 1, 8, 30)
     # The one decode worker's 5 streams step three times as slowly as the profile says they would.
     step = PROFILE.cost_model().decode_step_s(5, 5 * (64 + 400 // 2))
@@ -172,6 +172,10 @@ def test_decode_steps_slower_than_the_profile_make_decode_workers_worth_more():
                             Signals(120, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((5, 3 * step),)), SLO, 1, 8, 30)
     assert quiet.best == (2, 1) and quiet.predicted[(2, 1)] > 0.9  # the current split will do
     assert loaded.best == (1, 2) and loaded.predicted[(1, 2)] - loaded.predicted[(2, 1)] > 0.5
+    # Two streams stepping four times as slowly say nothing of decode's speed (a prompt held the core meanwhile).
+    few = predict_splits(PROFILE, PROFILE.serving_overheads(),
+                         Signals(120, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((2, 4 * step),)), SLO, 1, 8, 30)
+    assert few.predicted == quiet.predicted
 
 
 def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_half_a_minute_at_least():

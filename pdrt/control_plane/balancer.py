@@ -30,9 +30,9 @@ a stream at the TPOT SLO (a queue that a load just past a worker's
 capacity builds grows for tens of seconds, and streams pile up on a decode
 worker over their whole lives: a shorter look takes a load that will not
 hold for one that does);
-decode steps as much slower than the profile's as the decode workers'
-steps are now, a loaded machine being slower than the quiet one it was
-profiled on. It moves one worker toward the best split when all of these
+decode steps as much slower than the profile's as the steps of the
+decode workers holding MIN_STEP_STREAMS streams or more are now, a loaded
+machine being slower than the quiet one it was profiled on. It moves one worker toward the best split when all of these
 hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
@@ -81,6 +81,9 @@ MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
 MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, something else is wrong
+# A decode worker's steps tell how much slower decode runs than profiled only when it holds this many streams:
+# a step of fewer is mostly its fixed cost, and the time it waited for a core while prompts were computed.
+MIN_STEP_STREAMS = 4
 STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
 HORIZON_S = 30.0  # the prediction's horizon, at least
 
@@ -128,7 +131,7 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
     context = round(signals.mean_input + max(0.0, signals.mean_output - left))  # of a stream held now
     ratios = [seconds / costs.decode_step_s(batch, batch * context, threads)
-              for batch, seconds in signals.decode_steps if batch and seconds]
+              for batch, seconds in signals.decode_steps if batch >= MIN_STEP_STREAMS and seconds]
     if ratios:
         costs = costs.slower(decode=min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))))
 
