@@ -20,6 +20,7 @@ from pdrt.actors.cluster_key import ClusterKey, zap_handler
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.errors import ConfigError, TransferError
 from pdrt.node_config import NodeConfig
+from pdrt.roles.gateway import WORKER_SENDERS
 from pdrt.roles.messaging import Inbox, Senders
 from pdrt.transport import TransferBackend, make_puller, make_source
 from pdrt.wire import Abort, KVAck, RequestFailed, Withdrawn, encode
@@ -97,6 +98,18 @@ def test_an_inbox_drops_a_message_sent_in_another_process_name():
 
     received, _ = run(inbox_hears({RequestFailed: ("decode",), Withdrawn: ("prefill",)}, send))
     assert received == [RequestFailed("r", "x", "own", False, "decode-1")]
+
+
+def test_the_gateway_hears_a_withdraw_answered_by_a_split_worker_whatever_role_it_started_in():
+    async def send(ctx: zmq.asyncio.Context, address: str) -> list[zmq.Socket]:
+        moved = make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"decode-1", key=KEY))
+        await moved.send(encode(Withdrawn("r", True, "decode-1")))  # a prefill worker since a role change
+        colocated = make_socket(ctx, SocketSpec(zmq.DEALER, address, False, b"colocated-0", key=KEY))
+        await colocated.send(encode(Withdrawn("s", True, "colocated-0")))  # never asked to withdraw
+        return [moved, colocated]
+
+    received, _ = run(inbox_hears(WORKER_SENDERS, send))
+    assert received == [Withdrawn("r", True, "decode-1")]
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ from pdrt.errors import (
 )
 from pdrt.http.server import HTTP_IDENTITY, DraftText, HttpFront
 from pdrt.metrics.gateway_view import GatewayMetricsView
+from pdrt.metrics.worker_metrics import SPLIT_ROLES
 from pdrt.node_config import NodeConfig
 from pdrt.roles.client_frames import decode_client_frames
 from pdrt.roles.gateway_request import new_internal_id
@@ -104,7 +105,8 @@ TICK_S = 0.2
 HARD_FRAME_LIMIT = 8 * MAX_CLIENT_FRAME_BYTES
 
 
-WORKER_SENDERS = {StepOutputs: WORKER_ROLES, RequestFailed: WORKER_ROLES, Withdrawn: ("prefill",)}
+# A split worker answers a withdraw in whichever role it serves now: its name says the role it started with.
+WORKER_SENDERS = {StepOutputs: WORKER_ROLES, RequestFailed: WORKER_ROLES, Withdrawn: SPLIT_ROLES}
 
 
 @dataclass(frozen=True, slots=True)

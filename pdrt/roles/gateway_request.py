@@ -54,7 +54,7 @@ class GatewayRequest:
     messages: list[dict[str, str]] | None = None  # a chat request's messages, remembered for its session
     preferred: WorkerInfo | None = None  # the prefill worker holding this session's warmup or draft
     pinned: bool = False  # its prefill worker holds its draft's KV, or has started it: it is not moved
-    withdrawing: bool = False  # asked back from its prefill worker, to move it to its decode worker
+    withdrawing: float | None = None  # when it was asked back from its prefill worker, to go to its decode worker
     _block_keys: list[int] | None = None
     admitted_at: float = field(default_factory=time.monotonic)  # these four time the request's metrics
     sent_at: float = 0.0

@@ -216,7 +216,7 @@ class LocalPrefill:
         def seconds_on_decode(req: GatewayRequest, prefill_rate: float, started: set[str]) -> float | None:
             assert req.decode is not None
             decode = self.router.workers.get(req.decode.process_id)
-            if decode is None or decode.process_id in taken or req.pinned or req.withdrawing \
+            if decode is None or decode.process_id in taken or req.pinned or req.withdrawing is not None \
                     or req.preferred is not None or req.internal_id in started:
                 return None
             return self.seconds_on_decode(req, decode, prefill_rate, now)

@@ -57,6 +57,7 @@ log = structlog.get_logger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_MIGRATIONS = 3  # a request whose workers keep dying ends rather than moving on for ever
+WITHDRAW_TIMEOUT_S = 5.0  # for a prefill worker's answer to a withdraw
 
 
 class RequestTable:
@@ -194,15 +195,16 @@ class RequestTable:
         if req.prefill is None or not self.outbox.send(req.prefill.address, Withdraw(req.internal_id,
                                                                                      self.inbox_address)):
             return False
-        req.withdrawing = True
+        req.withdrawing = time.monotonic()
         return True
 
     def withdrawn(self, message: Withdrawn) -> None:
         """A prefill worker's answer to `Withdraw`: an unstarted prompt goes to its decode worker to be prefilled."""
         req = self.requests.get(message.request_id)
-        if req is None or not req.withdrawing or req.prefill is None or req.prefill.process_id != message.process_id:
+        asked = req is not None and req.withdrawing is not None and req.prefill is not None
+        if not asked or req.prefill.process_id != message.process_id:
             return  # ended, retried or moved since
-        req.withdrawing = False
+        req.withdrawing = None
         if not message.withdrawn:
             req.pinned = True  # it started there
             return
@@ -222,7 +224,7 @@ class RequestTable:
             if abort and self.router.is_live(worker):
                 self.outbox.send(worker.address, Abort(req.internal_id))
         req.prefill = req.decode = None
-        req.withdrawing = False
+        req.withdrawing = None
 
     def end(self, req: GatewayRequest, final: msgspec.Struct, abort: bool = False) -> None:
         self._detach(req, abort)
@@ -348,6 +350,11 @@ class RequestTable:
                 self.fail(req, RequestTimeoutError("the request did not finish before its deadline"))
         for req in [r for r in self.unrouted if r.deadline < now or r.unrouted_at + self.unrouted_wait_s < now]:
             self.fail(req, UnavailableError(f"no worker could take the request within {self.unrouted_wait_s:g} s"))
+        # A prefill worker answers a withdraw at once; an answer lost (or refused) would leave the request with
+        # no worker that knows it: it starts again.
+        for req in [r for r in self.by_client.values()
+                    if r.withdrawing is not None and r.withdrawing + WITHDRAW_TIMEOUT_S < now]:
+            self._retry(req, counted=False)
 
     def forget_client(self, identity: bytes) -> None:
         """A client that cannot be reached any more: its requests end (workers told), nothing is sent."""
