@@ -13,20 +13,21 @@ the same machine:
   median first gap after the first token, less a usual gap, is the KV
   handoff's cost (`handoff_s`);
 * LOADED_STREAMS requests per decode worker sent at once, with answers of
-  LOADED_ANSWER tokens (LOADED_REPEATS times), load the node as serving does: the decode workers,
-  the gateway and the client all busy, on a small host more than its cores.
+  LOADED_ANSWER tokens (LOADED_REPEATS times), load the node as serving
+  does: the decode workers, the gateway and the client all busy, on a small
+  host more than its cores.
   The CPU the gateway (read from /proc) and the client (this process) spend
   then, against a load of one-token answers, gives their CPU per request
   and per output token. What each stream adds to a step around the model
   (`decode_seq_s`: its output to send, and what the node's processes cost
   each other's caches) is the value at which the simulator, with every
   other figure in place, gives these requests the median TPOT they had
-  (the median of the repeats').
+  (the median over the repeats).
 
 A shared host's speed drifts within minutes, and each figure above is what
 is left of a measurement once the model's steps are taken away: the steps
-are taken at the host's speed around the node's run (SpeedProbe, a prompt
-and a decode step timed in this process just before and after), and the
+are taken at the host's speed just before each load (SpeedProbe, a prompt
+and a decode step timed in this process while the node is idle), and the
 figures then given at the speed the profile's steps were measured at.
 """
 
@@ -64,11 +65,13 @@ LOADED = [(0.0, RequestShape(PROMPT, LOADED_ANSWER))] * (LOADED_STREAMS * DECODE
 @dataclasses.dataclass(slots=True)
 class _Measured:
     light: list  # records of the light load
-    loaded_tpots: list[float]  # the median TPOT of each loaded run
+    light_speed: tuple[float, float]  # the host's speed just before it (SpeedProbe.factors)
+    loaded: list[tuple[float, tuple[float, float]]]  # per loaded run: its median TPOT, the host's speed before it
     cpu: list[tuple[int, int, float, float]]  # per CPU load: requests, output tokens, gateway CPU s, client CPU s
 
 
-async def _loads(address: str, gateway_pid: int) -> _Measured:
+async def _loads(address: str, gateway_pid: int, probe: SpeedProbe) -> _Measured:
+    """Every load in turn; the probe runs between them, while the node is idle."""
     driver = make_driver(Target(address))
     info = await driver.open()
     options = BenchOptions(slo=Slo(600, 600), max_model_len=info.max_model_len)
@@ -77,18 +80,20 @@ async def _loads(address: str, gateway_pid: int) -> _Measured:
                                                                                                         ANSWER))])
         e2e = first.records[0].e2e_s or 1.0
         requests = [(i * 2 * e2e, RequestShape(PROMPT, ANSWER)) for i in range(NUM_REQUESTS)]
+        light_speed = probe.factors()
         light = await run_rate(driver, info, options, None, "overheads-1", requests=requests)
-        cpu, tpots, records = [], [], list(light.records)
+        cpu, loaded, records = [], [], list(light.records)
         gap = e2e / CPU_CONCURRENCY
         loads = [("loaded", LOADED)] * LOADED_REPEATS + [
             ("one-token", [(i * gap, RequestShape(PROMPT, 1)) for i in range(CPU_REQUESTS)])]
         for name, requests in loads:
+            speed = probe.factors() if name == "loaded" else None
             gateway, client = cpu_seconds(gateway_pid), time.process_time()
             run = await run_rate(driver, info, options, None, f"overheads-{name}", requests=requests)
             used = (len(run.records), sum(r.num_output_tokens for r in run.records),
                     cpu_seconds(gateway_pid) - gateway, time.process_time() - client)
-            if name == "loaded":
-                tpots.append(statistics.median(r.tpot_s or 0.0 for r in run.records))
+            if speed is not None:
+                loaded.append((statistics.median(r.tpot_s or 0.0 for r in run.records), speed))
                 cpu = cpu or [used]
             else:
                 cpu.append(used)
@@ -98,7 +103,7 @@ async def _loads(address: str, gateway_pid: int) -> _Measured:
     bad = [r.error for r in records if not r.ok]
     if bad:
         raise RuntimeError(f"the node failed requests while measured: {bad}")
-    return _Measured(light.records, tpots, cpu)
+    return _Measured(light.records, light_speed, loaded, cpu)
 
 
 def _per_request_and_token(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -136,21 +141,18 @@ def fit_decode_seq(costs: CostModel, overheads: Overheads, cores: int, requests:
 
 def measure_overheads(model: str, profile: Profile) -> Overheads:
     """Start a node of one prefill and DECODE_WORKERS decode workers (a thread each) on `model`, and measure, the
-    profile's step times taken at the host's speed around the node's run (SpeedProbe); the figures returned are
+    profile's step times taken at the host's speed just before each load (SpeedProbe); the figures returned are
     at the speed the profile was measured at."""
     from pdrt.testing.node import Node
 
     probe = SpeedProbe(model, profile)
-    before = probe.factors()
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
                     extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},
                            "experimental": {"prefill_threads": 1, "decode_threads": 1}})
         with node:
-            measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"]))
-    after = probe.factors()
-    speed = [(b * a) ** 0.5 for b, a in zip(before, after, strict=True)]
-    costs = profile.cost_model().slower(*speed)
+            measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"], probe))
+    costs = profile.cost_model().slower(*measured.light_speed)
     records = measured.light
     gap = statistics.median(g for r in records for g in r.itls_s[1:])
     step = max(0.0, gap - costs.decode_step_s(1, PROMPT + ANSWER // 2))
@@ -159,10 +161,10 @@ def measure_overheads(model: str, profile: Profile) -> Overheads:
     handoff = max(0.0, statistics.median(r.itls_s[0] for r in records) - gap)
     gateway = _per_request_and_token([(r, t, g) for r, t, g, _ in measured.cpu])
     client = _per_request_and_token([(r, t, c) for r, t, _, c in measured.cpu])
-    overheads = Overheads(step_overhead_s=step, token_latency_s=latency, handoff_s=handoff,
-                          gateway_request_s=gateway[0], gateway_token_s=gateway[1], client_request_s=client[0],
-                          client_token_s=client[1])
-    tpot = statistics.median(measured.loaded_tpots)
-    overheads = dataclasses.replace(overheads, decode_seq_s=fit_decode_seq(costs, overheads, os.cpu_count() or 1,
-                                                                           LOADED, tpot))
-    return overheads.slower(1 / speed[1])
+    base = Overheads(step_overhead_s=step, token_latency_s=latency, handoff_s=handoff, gateway_request_s=gateway[0],
+                     gateway_token_s=gateway[1], client_request_s=client[0], client_token_s=client[1]
+                     ).slower(1 / measured.light_speed[1])
+    cores = os.cpu_count() or 1
+    per_stream = [fit_decode_seq(profile.cost_model().slower(*speed), base.slower(speed[1]), cores, LOADED, tpot)
+                  / speed[1] for tpot, speed in measured.loaded]
+    return dataclasses.replace(base, decode_seq_s=statistics.median(per_stream))
