@@ -32,8 +32,8 @@ worker over their whole lives: a shorter look takes a load that will not
 hold for one that does);
 decode steps as much slower than the profile's as the steps of the
 decode workers holding MIN_STEP_STREAMS streams or more are now, a loaded
-machine being slower than the quiet one it was profiled on. It moves one worker toward the best split when all of these
-hold:
+machine being slower than the quiet one it was profiled on. It moves one
+worker toward the best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment;
 * the same split was best at the previous evaluation too (hysteresis),

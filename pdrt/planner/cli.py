@@ -24,7 +24,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model = _model(args.model)
     threads = [int(t) for t in args.threads.split(",")] if args.threads else None
-    _log(f"profiling {model} (engine steps, then a node at light load); this takes a few minutes")
+    _log(f"profiling {model} (engine steps, then a node of one prefill and two decode workers); this takes a few "
+         "minutes")
     profile = profile_model(model, threads, args.max_context, serving=not args.engine_only, log=_log)
     path = profile.save(Path(args.out) if args.out else default_profile_path(model))
     for t, fit in profile.cost_model().fits.items():

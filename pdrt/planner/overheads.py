@@ -94,7 +94,7 @@ async def _loads(address: str, gateway_pid: int, probe: SpeedProbe) -> _Measured
                     cpu_seconds(gateway_pid) - gateway, time.process_time() - client)
             if speed is not None:
                 loaded.append((statistics.median(r.tpot_s or 0.0 for r in run.records), speed))
-                cpu = cpu or [used]
+                cpu = cpu or [used]  # the first loaded run's CPU, against the one-token load's
             else:
                 cpu.append(used)
             records += run.records

@@ -257,12 +257,13 @@ class SpeedProbe:
 
         torch.set_num_threads(threads)
         self.costs, self.threads = profile.cost_model(), threads
+        self.prompt = min(self.PROMPT, profile.max_model_len // 2)
         self.bench = StepBench(profiling_engine(model, load_model(model), profile.max_model_len))
         self.bench.prefill(16, 0, 1)  # the first forward passes of a process are slow
 
     def factors(self) -> tuple[float, float]:
         """(prefill, decode): how many times as long as the profile says a prompt and a decode step take now."""
-        prefill = self.bench.prefill(self.PROMPT, 0, self.REPEATS) / self.costs.prefill_s(self.PROMPT, 0, self.threads)
+        prefill = self.bench.prefill(self.prompt, 0, self.REPEATS) / self.costs.prefill_s(self.prompt, 0, self.threads)
         decode = (self.bench.decode(self.BATCH, self.CONTEXT, self.REPEATS)
                   / self.costs.decode_step_s(self.BATCH, self.BATCH * self.CONTEXT, self.threads))
         return prefill, decode
