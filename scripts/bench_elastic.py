@@ -217,18 +217,17 @@ def main() -> None:
         seed = args.seed + repeat
         requests = workload(args.rate, args.phase_s, seed, lengths)
         for name in names:
-            before = probe.factors()
+            before = None if SYSTEMS[name][2] else probe.factors()  # the balancer's runs are not predicted
             result = run_system(workdir, model, name, requests, slo, args.interval, seed)
-            if not SYSTEMS[name][2]:
+            if before is not None:
                 after = probe.factors()
                 speed = ((before[0] * after[0]) ** 0.5, (before[1] * after[1]) ** 0.5)
                 result["predicted"] = predicted_attainment(profile, name, requests, slo)
                 result["anchored"] = predicted_attainment(profile, name, requests, slo, speed)
                 result["speed"] = speed
-                for kind in errors:
+                for kind, key in (("profile", "predicted"), ("anchored", "anchored")):
                     if result["attainment"] > 0:
-                        predicted = result["predicted" if kind == "profile" else "anchored"]
-                        errors[kind].append(abs(predicted / result["attainment"] - 1))
+                        errors[kind].append(abs(result[key] / result["attainment"] - 1))
                 log(f"{name}: predicted attainment {result['predicted']:.1%}; at the host's speed around the run "
                     f"(prompts x{speed[0]:.2f}, decode steps x{speed[1]:.2f} the profile's) "
                     f"{result['anchored']:.1%}")

@@ -80,6 +80,12 @@ class WorkerMetrics:
 
     # -- hooks ----------------------------------------------------------------------
 
+    def new_role(self, role: str) -> None:
+        """The worker serves `role` from now on: the old role's recent steps say nothing of the new one's."""
+        self.role = role
+        self.recent_steps.clear()
+        self.recent_prefills.clear()
+
     def stepped(self, started: float, borrowed_threads: int = 0) -> None:
         """After an engine step that began at `started` (time.perf_counter()) with `borrowed_threads` lent."""
         batch = self.engine.last_batch

@@ -127,12 +127,15 @@ def fit_decode_seq(costs: CostModel, overheads: Overheads, cores: int, requests:
                    tpot_s: float) -> float:
     """The `decode_seq_s` at which the simulator gives `requests` the median TPOT `tpot_s` (0 when even none
     makes them slower)."""
+    def tpot_at(decode_seq_s: float) -> float:
+        return simulated_tpot(costs, dataclasses.replace(overheads, decode_seq_s=decode_seq_s), cores, requests)
+
     low, high = 0.0, tpot_s
-    if simulated_tpot(costs, dataclasses.replace(overheads, decode_seq_s=low), cores, requests) >= tpot_s:
+    if tpot_at(low) >= tpot_s:
         return 0.0
     for _ in range(FIT_STEPS):
         mid = (low + high) / 2
-        if simulated_tpot(costs, dataclasses.replace(overheads, decode_seq_s=mid), cores, requests) < tpot_s:
+        if tpot_at(mid) < tpot_s:
             low = mid
         else:
             high = mid
@@ -152,7 +155,8 @@ def measure_overheads(model: str, profile: Profile) -> Overheads:
                            "experimental": {"prefill_threads": 1, "decode_threads": 1}})
         with node:
             measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"], probe))
-    costs = profile.cost_model().slower(*measured.light_speed)
+    model = profile.cost_model()
+    costs = model.slower(*measured.light_speed)
     records = measured.light
     gap = statistics.median(g for r in records for g in r.itls_s[1:])
     step = max(0.0, gap - costs.decode_step_s(1, PROMPT + ANSWER // 2))
@@ -165,6 +169,6 @@ def measure_overheads(model: str, profile: Profile) -> Overheads:
                      gateway_token_s=gateway[1], client_request_s=client[0], client_token_s=client[1]
                      ).slower(1 / measured.light_speed[1])
     cores = os.cpu_count() or 1
-    per_stream = [fit_decode_seq(profile.cost_model().slower(*speed), base.slower(speed[1]), cores, LOADED, tpot)
-                  / speed[1] for tpot, speed in measured.loaded]
+    per_stream = [fit_decode_seq(model.slower(*speed), base.slower(speed[1]), cores, LOADED, tpot) / speed[1]
+                  for tpot, speed in measured.loaded]
     return dataclasses.replace(base, decode_seq_s=statistics.median(per_stream))

@@ -153,9 +153,8 @@ class SplitWorker(EngineWorker):
         """Serve as `role` from now on: its profile at once, its old role's streams elsewhere between steps."""
         started, old = time.perf_counter(), self.role
         if role != old:
-            self.role = self.link.role = self.metrics.role = role
-            self.metrics.recent_steps.clear()  # the old role's steps say nothing of the new one's
-            self.metrics.recent_prefills.clear()
+            self.role = self.link.role = role
+            self.metrics.new_role(role)
             self.profile = worker_profile(self.config, role, self.engine.loaded.num_params)
             log_profile(self.profile, self.process_id, self.engine.loaded.num_params)
             self.take_priority()
