@@ -11,7 +11,9 @@ from pdrt.bench import Slo
 from pdrt.control_plane.balancer import (
     HORIZON_S,
     LARGE_GAIN,
+    MARGIN,
     MIN_REQUESTS,
+    SOONER,
     URGENT,
     Balancer,
     Decision,
@@ -97,6 +99,27 @@ def test_a_current_split_predicted_to_fail_most_requests_is_left_at_once():
     assert node.balancer.act(prefill_heavy(node), Decision((2, 1), {(1, 2): URGENT - 0.1, (2, 1): URGENT + 0.05}),
                              now=100.0)
     assert len(node.sent) == 1
+
+
+def test_a_split_that_serves_a_failing_load_sooner_is_taken_when_none_meets_the_slos():
+    node = Node()
+    both_fail = {(1, 2): 0.0, (2, 1): 0.0}
+    alike = Decision((2, 1), both_fail, {(1, 2): 9.0, (2, 1): 9.0 * (SOONER + 0.05)})
+    assert not node.balancer.act(prefill_heavy(node), alike, now=100.0)
+    sooner = Decision((2, 1), both_fail, {(1, 2): 9.0, (2, 1): 9.0 * (SOONER - 0.05)})
+    assert node.balancer.act(prefill_heavy(node), sooner, now=100.0)
+    assert "late x" in node.sent[0][1].reason
+
+
+def test_a_backlog_no_split_clears_is_predicted_for_the_split_that_drains_it_fastest():
+    """Hundreds of long prompts waiting: every split misses the TTFT SLO for almost all of them, two prefill
+    workers least late; the balancer moves to them at once."""
+    backlog = Signals(600, 4000, 2, 0.0, 400, 0, 1, 2)
+    got = predict_splits(PROFILE, PROFILE.serving_overheads(), backlog, SLO, 1, 8, 30)
+    assert max(got.predicted.values()) < MARGIN  # no split gains the margin on another
+    assert got.best == (2, 1) and got.lateness[(2, 1)] < SOONER * got.lateness[(1, 2)]
+    node = Node()
+    assert node.balancer.act(backlog, got, now=100.0)
 
 
 def test_no_second_change_within_two_intervals_nor_while_one_is_under_way():

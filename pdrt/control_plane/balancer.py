@@ -35,7 +35,13 @@ decode workers holding MIN_STEP_STREAMS streams or more are now, a loaded
 machine being slower than the quiet one it was profiled on. It moves one
 worker toward the best split when all of these hold:
 
-* the best split beats the current one by MARGIN of predicted attainment;
+* the best split beats the current one by MARGIN of predicted attainment,
+  or, where the current one is predicted to miss the SLOs for most
+  requests (below URGENT) and no split does much better, it serves them
+  sooner: its predicted lateness (the worse of TTFT p90 and TPOT p90, each
+  over its SLO) is below SOONER of the current one's. A backlog that no
+  split clears within the horizon predicts 0% for all; the split that
+  drains it fastest is still the one to be in;
 * the same split was best at the previous evaluation too (hysteresis),
   unless it beats the current one by LARGE_GAIN or the current one is
   predicted to miss the SLOs for most requests (below URGENT): a load that
@@ -56,14 +62,14 @@ import random
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Info
 
 from pdrt.bench.runner import BenchOptions
-from pdrt.bench.stats import Slo
+from pdrt.bench.stats import RateSummary, Slo
 from pdrt.bench.workloads import RequestShape
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.role_changes import SPLIT_ROLES, RoleChanges
@@ -77,6 +83,7 @@ log = structlog.get_logger(__name__)
 MARGIN = 0.05  # of predicted attainment
 LARGE_GAIN = 0.3  # of predicted attainment: acted on without waiting for a second evaluation to confirm it
 URGENT = 0.5  # predicted attainment of the current split below which a better one is taken without waiting
+SOONER = 0.7  # of the current split's predicted lateness: a split as good by attainment and this much sooner wins
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
@@ -120,6 +127,14 @@ class Signals:
 class Decision:
     best: tuple[int, int]  # (prefill, decode)
     predicted: dict[tuple[int, int], float]  # split -> predicted attainment
+    lateness: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> lateness(); {}: not known
+
+
+def lateness(summary: RateSummary, slo: Slo) -> float:
+    """How late a run serves: the worse of its TTFT p90 and TPOT p90, each over its SLO (inf: nothing served)."""
+    if summary.ttft.p90 is None:
+        return math.inf
+    return max(summary.ttft.p90 / slo.ttft_s, (summary.tpot.p90 or 0.0) / slo.tpot_s)
 
 
 def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
@@ -153,14 +168,16 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     requests.sort(key=lambda r: r[0])
     workers = signals.prefill + signals.decode
     options = BenchOptions(slo=slo)
-    predicted = {(p, workers - p): simulate(costs, Deployment(prefill=p, decode=workers - p, threads=threads),
-                                            cores, requests, options, rate, overheads,
-                                            held_after_change(streams, counts, workers - p)
-                                            ).attainment
-                 for p in range(1, workers)}
+    runs = {(p, workers - p): simulate(costs, Deployment(prefill=p, decode=workers - p, threads=threads),
+                                       cores, requests, options, rate, overheads,
+                                       held_after_change(streams, counts, workers - p))
+            for p in range(1, workers)}
+    predicted = {split: run.attainment for split, run in runs.items()}
+    late = {split: lateness(run, slo) for split, run in runs.items()}
     current = (signals.prefill, signals.decode)
-    best = max(predicted, key=lambda s: (predicted[s], s == current))
-    return Decision(best, predicted)
+    # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
+    best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
+    return Decision(best, predicted, late)
 
 
 def share_used(window: dict[str, float], since_start: dict[str, float]) -> float | None:
@@ -306,9 +323,13 @@ class Balancer:
         current = (signals.prefill, signals.decode)
         best, predicted = decision.best, decision.predicted
         gain = predicted[best] - predicted.get(current, 0.0)
+        late = decision.lateness
+        sooner = (predicted.get(current, 0.0) < URGENT and best in late and current in late
+                  and late[best] < SOONER * late[current])
         previous, self.previous_best = self.previous_best, best
-        figures = ", ".join(f"{p}P+{d}D {a:.0%}" for (p, d), a in sorted(predicted.items()))
-        if best == current or gain < MARGIN:
+        figures = ", ".join(f"{p}P+{d}D {a:.0%}" + (f" (late x{late[(p, d)]:.1f})" if (p, d) in late else "")
+                            for (p, d), a in sorted(predicted.items()))
+        if best == current or (gain < MARGIN and not sooner):
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"
         elif previous != best and gain < LARGE_GAIN and predicted.get(current, 0.0) >= URGENT:
