@@ -52,7 +52,7 @@ from pdrt.bench import BenchOptions, Slo, Target, make_driver, percentile, run_r
 from pdrt.bench.record import RequestRecord  # noqa: E402
 from pdrt.bench.stats import summarize  # noqa: E402
 from pdrt.bench.workloads import RequestShape  # noqa: E402
-from pdrt.planner.predict import simulate  # noqa: E402
+from pdrt.planner.predict import simulated_records  # noqa: E402
 from pdrt.planner.profile import Profile, SpeedProbe, default_profile_path, profile_model  # noqa: E402
 from pdrt.planner.simulator import Deployment  # noqa: E402
 from pdrt.testing.node import Node, free_port  # noqa: E402
@@ -134,10 +134,16 @@ def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interva
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     result = {"attainment": whole.attainment, "phases": [s.attainment for s in phases],
               "ttft_p95": percentile(ttfts, 95), "flips_ms": flips, "failed": whole.num_failed}
-    log(f"{name}: attainment {whole.attainment:.1%} (phases " + ", ".join(f"{a:.0%}" for a in result["phases"])
-        + f"), TTFT p95 {1e3 * (result['ttft_p95'] or 0):.0f} ms, {len(flips)} role changes "
+    log(f"{name}: attainment {whole.attainment:.1%} (phases {phase_figures(result, 'measured')}), "
+        + f"TTFT p95 {1e3 * (result['ttft_p95'] or 0):.0f} ms, {len(flips)} role changes "
         + (f"({', '.join(f'{f:.0f}' for f in flips)} ms)" if flips else "") + f", {whole.num_failed} failed")
     return result
+
+
+def phase_figures(result: dict, kind: str) -> str:
+    """A system's attainment per phase, as measured or as predicted ("predicted", "anchored")."""
+    key = "phases" if kind == "measured" else f"{kind}_phases"
+    return ", ".join(f"{a:.0%}" for a in result[key])
 
 
 def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
@@ -166,15 +172,17 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
 
 
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed: tuple[float, float] = (1.0, 1.0)
-                         ) -> float:
-    """What the simulator predicts of system `name` over `requests`, with prompts and decode steps `speed` times
-    as long as the profile says (and what serving adds to them as long as the decode steps)."""
+                         ) -> tuple[float, list[float]]:
+    """What the simulator predicts of system `name` over `requests`, over the whole run and per phase, with
+    prompts and decode steps `speed` times as long as the profile says (and what serving adds to them as long
+    as the decode steps)."""
     prefill, decode, _ = SYSTEMS[name]
-    options = BenchOptions(slo=slo)
-    summary = simulate(profile.cost_model().slower(*speed), Deployment(prefill=prefill, decode=decode),
-                       os.cpu_count() or 2, [(t, s) for t, s, _ in requests], options, 0.0,
-                       profile.serving_overheads().slower(speed[1]))
-    return summary.attainment
+    records = simulated_records(profile.cost_model().slower(*speed), Deployment(prefill=prefill, decode=decode),
+                                os.cpu_count() or 2, [(t, s) for t, s, _ in requests], BenchOptions(slo=slo),
+                                profile.serving_overheads().slower(speed[1]))
+    phases = [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo).attainment
+              for i in range(len(PHASES))]
+    return summarize(records, 0.0, slo).attainment, phases
 
 
 def main() -> None:
@@ -222,27 +230,34 @@ def main() -> None:
             if before is not None:
                 after = probe.factors()
                 speed = ((before[0] * after[0]) ** 0.5, (before[1] * after[1]) ** 0.5)
-                result["predicted"] = predicted_attainment(profile, name, requests, slo)
-                result["anchored"] = predicted_attainment(profile, name, requests, slo, speed)
+                result["predicted"], result["predicted_phases"] = predicted_attainment(profile, name, requests, slo)
+                result["anchored"], result["anchored_phases"] = predicted_attainment(profile, name, requests, slo,
+                                                                                     speed)
                 result["speed"] = speed
                 for kind, key in (("profile", "predicted"), ("anchored", "anchored")):
                     if result["attainment"] > 0:
                         errors[kind].append(abs(result[key] / result["attainment"] - 1))
-                log(f"{name}: predicted attainment {result['predicted']:.1%}; at the host's speed around the run "
-                    f"(prompts x{speed[0]:.2f}, decode steps x{speed[1]:.2f} the profile's) "
-                    f"{result['anchored']:.1%}")
+                log(f"{name}: predicted attainment {result['predicted']:.1%} ({phase_figures(result, 'predicted')}); "
+                    f"at the host's speed around the run (prompts x{speed[0]:.2f}, decode steps x{speed[1]:.2f} "
+                    f"the profile's) {result['anchored']:.1%} ({phase_figures(result, 'anchored')})")
             results[name].append(result)
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] or 0.0 for r in results[name])
 
-    print(f"{'system':<10}{'attainment':>11}{'predicted':>10}{'anchored':>10}{'TTFT p95 ms':>13}   per phase")
+    def phase_medians(name: str, key: str) -> str:
+        if key not in results[name][0]:
+            return ""
+        return " ".join(f"{statistics.median(r[key][i] for r in results[name]):.0%}" for i in range(len(PHASES)))
+
+    print(f"{'system':<10}{'attainment':>11}{'predicted':>10}{'anchored':>10}{'TTFT p95 ms':>13}   "
+          f"{'per phase':<14}anchored per phase")
     for name in names:
         predicted = [f"{median(name, key):.1%}" if key in results[name][0] else "" for key in ("predicted",
                                                                                                 "anchored")]
-        phases = [statistics.median(r["phases"][i] for r in results[name]) for i in range(len(PHASES))]
         print(f"{name:<10}{median(name, 'attainment'):>11.1%}{predicted[0]:>10}{predicted[1]:>10}"
-              f"{1e3 * median(name, 'ttft_p95'):>13.0f}   " + " ".join(f"{a:.0%}" for a in phases))
+              f"{1e3 * median(name, 'ttft_p95'):>13.0f}   {phase_medians(name, 'phases'):<14}"
+              f"{phase_medians(name, 'anchored_phases')}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "elastic.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

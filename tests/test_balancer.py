@@ -3,6 +3,8 @@ every two intervals, one worker at a time, never emptying a role; on a real node
 prefill-heavy load arrives and `pdrt status` shows the decision."""
 
 import asyncio
+import os
+import threading
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +15,7 @@ from pdrt.control_plane.balancer import (
     LARGE_GAIN,
     MARGIN,
     MIN_REQUESTS,
+    PREDICT_NICE,
     SOONER,
     URGENT,
     Balancer,
@@ -140,6 +143,14 @@ def test_a_gain_within_the_margin_changes_nothing():
     for now in (100.0, 110.0, 120.0):
         assert not node.balancer.act(prefill_heavy(node), close, now)
     assert node.sent == []
+
+
+def test_predictions_run_on_a_thread_that_yields_the_cpu_to_the_workers():
+    balancer = Node().balancer
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    niceness = balancer.predictor.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert niceness.result(timeout=10) == PREDICT_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the controller's own thread
 
 
 def test_without_a_profile_the_balancer_stays_idle_and_says_why():

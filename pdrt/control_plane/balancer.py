@@ -49,6 +49,9 @@ worker toward the best split when all of these hold:
 * no change was made in the last two intervals;
 * no change is under way.
 
+Predictions run on a thread of their own at niceness PREDICT_NICE: on a
+CPU node they take what the workers leave, not a share of their cores.
+
 Every evaluation is logged with its signals and reason and counted
 (`pdrt_controller_balancer_decisions_total{action}`); the last one is
 exported as `pdrt_controller_balancer_last_info` for `pdrt status`. Without
@@ -57,11 +60,15 @@ says so once. `[controller] balance = false` turns it off.
 """
 
 import asyncio
+import functools
 import math
+import os
 import random
 import statistics
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +100,7 @@ MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, somethin
 MIN_STEP_STREAMS = 4
 STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
 HORIZON_S = 30.0  # the prediction's horizon, at least
+PREDICT_NICE = 10  # the predictions' thread's: as a prefill worker's (pdrt/worker_profile.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,6 +210,14 @@ def held_after_change(streams: list[tuple[int, int]], counts: list[int], decode:
     return [[next(it) for _ in range(n)] for n in kept]
 
 
+def _yield_cpu() -> None:
+    """Lower the calling thread's CPU priority to PREDICT_NICE (Linux keeps niceness per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREDICT_NICE)
+    except OSError as exc:  # not permitted here: predictions run at the controller's priority
+        log.warning("balancer predictions run at the controller's priority", error=str(exc))
+
+
 class Balancer:
     def __init__(self, registry: Registry, roles: RoleChanges, enabled: bool, interval_s: float, slo: Slo,
                  threads: int, cores: int, profile_path: Path, metrics: CollectorRegistry) -> None:
@@ -215,6 +231,7 @@ class Balancer:
         self.last_change_at = -math.inf
         self.previous_best: tuple[int, int] | None = None
         self.evaluating = False
+        self.predictor = ThreadPoolExecutor(1, thread_name_prefix="balancer-predict", initializer=_yield_cpu)
         self.said_why_not = False
         self.decisions = Counter("pdrt_controller_balancer_decisions", "The balancer's evaluations, by what it did",
                                  ["action"], registry=metrics)
@@ -304,7 +321,7 @@ class Balancer:
         return max(HORIZON_S, 2 * self.interval_s, STREAM_LIFETIMES * signals.mean_output * self.slo.tpot_s)
 
     async def evaluate(self) -> bool:
-        """Predict every split from the signals (in a thread: it takes a moment), then act on the prediction;
+        """Predict every split from the signals (on the predictor's thread: it takes a moment), then act on it;
         True when a role change began."""
         signals = self.signals()
         if signals is None:
@@ -313,8 +330,9 @@ class Balancer:
         assert self.profile is not None
         self.evaluating = True
         try:
-            decision = await asyncio.to_thread(predict_splits, self.profile, self.profile.serving_overheads(),
-                                               signals, self.slo, self.threads, self.cores, self.horizon_s(signals))
+            predict = functools.partial(predict_splits, self.profile, self.profile.serving_overheads(), signals,
+                                        self.slo, self.threads, self.cores, self.horizon_s(signals))
+            decision = await asyncio.get_running_loop().run_in_executor(self.predictor, predict)
         finally:
             self.evaluating = False
         return self.act(signals, decision, time.monotonic())

@@ -39,6 +39,16 @@ def simulate(model: CostModel, deployment: Deployment, cores: int, requests: lis
              held: Sequence[Sequence[tuple[int, int]]] = ()) -> RateSummary:
     """The summary `pdrt bench` would print for these requests, had the node served them as simulated (with
     `held`, Simulation.run's, judged by the pace of the tokens they have left)."""
+    records = simulated_records(model, deployment, cores, requests, options, overheads, held)
+    return summarize(records, rate, options.slo)
+
+
+def simulated_records(model: CostModel, deployment: Deployment, cores: int,
+                      requests: list[tuple[float, RequestShape]], options: BenchOptions,
+                      overheads: Overheads = NO_OVERHEADS, held: Sequence[Sequence[tuple[int, int]]] = ()
+                      ) -> list[RequestRecord]:
+    """The record `pdrt bench` would keep of each of `requests`, in their order, had the node served them as
+    simulated."""
     served = Simulation(model, deployment, cores, overheads, options.slo.ttft_s).run(requests, held)
     records = []
     for req in served:
@@ -49,7 +59,7 @@ def simulate(model: CostModel, deployment: Deployment, cores: int, requests: lis
             record.tokens(1, req.first_token)
             record.finish(req.finished, req.shape.output_tokens)
         records.append(record)
-    return summarize(records, rate, options.slo)
+    return records
 
 
 def requests_at(options: BenchOptions, rate: float, limits: LengthLimits) -> list[tuple[float, RequestShape]]:
