@@ -10,12 +10,14 @@ SLO = 0.1
 OVER, UNDER = 1.5 * SLO, 0.5 * SLO
 
 
-def guarded(*context_lengths: int) -> tuple[StepGuard, list[Sequence]]:
-    """A guard over running sequences that decode, with the given contexts, named by their index."""
+def guarded(*context_lengths: int, max_tokens: tuple[int, ...] = ()) -> tuple[StepGuard, list[Sequence]]:
+    """A guard over running sequences that decode, with the given contexts (and max_tokens, else the default),
+    named by their index."""
     scheduler = Scheduler(BlockManager(64, 16, True, 0), 16, 256, 64)
     seqs = []
     for i, n in enumerate(context_lengths):
-        seq = Sequence(str(i), list(range(n)), n - 1, SamplingParams(), seed=0)
+        params = SamplingParams(max_tokens=max_tokens[i]) if max_tokens else SamplingParams()
+        seq = Sequence(str(i), list(range(n)), n - 1, params, seed=0)
         seq.num_computed_tokens = n - 1
         scheduler.add_running(seq)
         seqs.append(seq)
@@ -27,7 +29,7 @@ def feed(guard: StepGuard, interval_s: float, times: int) -> None:
         guard.observe(interval_s)
 
 
-def test_three_intervals_in_a_row_over_the_slo_demote_the_longest_context_then_the_next():
+def test_three_intervals_in_a_row_over_the_slo_demote_the_longest_context_then_the_next_of_equal_answers():
     guard, seqs = guarded(100, 900, 300, 50)
     feed(guard, OVER, PATIENCE - 1)
     assert guard.scheduler.demoted == []
@@ -36,6 +38,15 @@ def test_three_intervals_in_a_row_over_the_slo_demote_the_longest_context_then_t
     feed(guard, OVER, PATIENCE)
     assert guard.scheduler.demoted == [seqs[1], seqs[2]]
     assert guard.scheduler.num_demotions == 2
+
+
+def test_of_a_long_prompt_with_a_short_answer_and_a_short_prompt_with_a_long_one_the_long_answer_goes_first():
+    # 1400 context tokens with 15 to come, against 300 with 999: the long answer has 14 times the work left.
+    guard, seqs = guarded(1400, 300, 50, 60, max_tokens=(16, 1000, 1000, 1000))
+    feed(guard, OVER, PATIENCE)
+    assert guard.scheduler.demoted == [seqs[1]]
+    feed(guard, OVER, PATIENCE)
+    assert guard.scheduler.demoted == [seqs[1], seqs[3]]
 
 
 def test_alternating_intervals_count_by_their_mean():

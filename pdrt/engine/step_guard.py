@@ -8,13 +8,17 @@ demoted, steps that decode them alternate with steps that skip them, and a
 stream's TPOT is the mean of both kinds.
 
 After PATIENCE consecutive means over the SLO it demotes one stream
-(Scheduler.demote): the decoding one with the longest context, whose
-attention costs the most, and then one more after each further PATIENCE.
+(Scheduler.demote): the decoding one with the most work left, its context
+(what its attention reads each step) times the tokens its max_tokens still
+allows, and then one more after each further PATIENCE. Of two streams that
+cost a step alike, the one with more tokens to come spreads the delay over
+more of them: a long answer skipped for a while keeps its mean TPOT, a
+short one ends with it broken.
 It never demotes more than half the decoding streams; with half demoted
 it decodes the demoted ones less often still (every SLOWEST-th step). Once
 RECOVERY consecutive means have stayed under MARGIN times the SLO, it
 promotes one back, the most recently demoted first, and so on.
-Sequences carry no priority, so context length alone says which stream
+Sequences carry no priority, so their lengths alone say which stream
 costs the most.
 """
 
@@ -79,6 +83,11 @@ class StepGuard:
             while len(demoted) > decoding // 2:  # streams have ended since
                 self._promote(demoted[-1], "fewer streams")
 
+    @staticmethod
+    def work_left(seq: Sequence) -> int:
+        """What a stream still costs: its context times the tokens it may still produce."""
+        return seq.num_tokens * max(1, seq.params.max_tokens - seq.output_index)
+
     def _num_decoding(self) -> int:
         return sum(seq.is_decoding for seq in self.scheduler.running)
 
@@ -86,16 +95,17 @@ class StepGuard:
         scheduler = self.scheduler
         candidates = [s for s in scheduler.running if s.is_decoding and s.decode_every == 1]
         if candidates and len(scheduler.demoted) < self._num_decoding() // 2:
-            self._slow(max(candidates, key=lambda s: s.num_tokens), DECODE_EVERY, mean_s)
+            self._slow(max(candidates, key=self.work_left), DECODE_EVERY, mean_s)
             return
         slowable = [s for s in scheduler.demoted if s.decode_every < SLOWEST]
         if slowable:
-            self._slow(max(slowable, key=lambda s: s.num_tokens), SLOWEST, mean_s)
+            self._slow(max(slowable, key=self.work_left), SLOWEST, mean_s)
 
     def _slow(self, seq: Sequence, decode_every: int, mean_s: float) -> None:
         self.scheduler.demote(seq, decode_every)
         log.info("stream demoted", request_id=seq.request_id, context_tokens=seq.num_tokens,
-                 decode_every=decode_every, mean_interval_s=round(mean_s, 6), tpot_slo_s=self.tpot_slo_s)
+                 tokens_left=seq.params.max_tokens - seq.output_index, decode_every=decode_every,
+                 mean_interval_s=round(mean_s, 6), tpot_slo_s=self.tpot_slo_s)
 
     def _promote(self, seq: Sequence, reason: str) -> None:
         self.scheduler.promote(seq)
