@@ -4,6 +4,7 @@ Linux keeps niceness per thread, so every thread started so far is reniced,
 and those started later inherit it from the one that starts them.
 """
 
+import math
 import os
 import time
 
@@ -38,17 +39,21 @@ class CatchUp:
     """A prefill worker that yields the CPU while it keeps up and takes it back while it falls behind.
 
     It runs at `yield_nice` while every submitted prompt starts within
-    `behind_s` of its arrival, and at the niceness it started with from the
-    moment one has waited longer until none has waited half as long. A
-    small model's decode steps, bound by Python, keep a core busy with the
-    gateway and clients on the other: at nice 10 throughout, the prefill
-    worker got what they left and TTFT broke first; at its starting
-    niceness throughout, it stretched decode steps whenever long prompts came.
+    `behind_s` of its arrival and has its first token within `late_s`, and at
+    the niceness it started with from the moment one has waited longer (the
+    worker looks in during its steps too: a prompt started at niceness 10
+    while decode workers keep both cores busy crawls for seconds) until none
+    has waited half as long. A small model's decode steps, bound by Python,
+    keep a core busy with the gateway and clients on the other: at nice 10
+    throughout, the prefill worker got what they left and TTFT broke first;
+    at its starting niceness throughout, it stretched decode steps whenever
+    long prompts came.
     """
 
-    def __init__(self, yield_nice: int, behind_s: float, name: str) -> None:
+    def __init__(self, yield_nice: int, behind_s: float, name: str, late_s: float = math.inf) -> None:
         self.yield_nice = yield_nice
         self.behind_s = behind_s
+        self.late_s = late_s
         self.name = name
         self.start_nice = os.getpriority(os.PRIO_PROCESS, 0)
         self.yielding = True
@@ -63,19 +68,29 @@ class CatchUp:
         """Seconds spent catching up so far, the current catch-up included."""
         return self._caught_up_s + (0.0 if self.yielding else time.monotonic() - self._caught_up_at)
 
-    def update(self, oldest_wait_s: float) -> None:
-        """After a step: `oldest_wait_s`, how long the oldest prompt not yet started has waited (0: none waits)."""
+    def update(self, oldest_wait_s: float, oldest_age_s: float = 0.0) -> None:
+        """Between steps: `oldest_wait_s`, how long the oldest prompt not yet started has waited, and
+        `oldest_age_s`, how long the oldest one without its first token has been here (0: none)."""
         if not self.enabled:
             return
-        if self.yielding and oldest_wait_s > self.behind_s:
-            if not take_priority(self.start_nice, self.name):
-                self.enabled = False
-                return
-            self.yielding = False
-            self.num_catch_ups += 1
-            self._caught_up_at = time.monotonic()
-            log.debug("prefill worker catching up", waited_s=round(oldest_wait_s, 4), nice=self.start_nice)
-        elif not self.yielding and oldest_wait_s < self.behind_s / 2:
+        if self.yielding and (oldest_wait_s > self.behind_s or oldest_age_s > self.late_s):
+            self._catch_up(oldest_wait_s, oldest_age_s)
+        elif not self.yielding and oldest_wait_s < self.behind_s / 2 and oldest_age_s < self.late_s / 2:
             take_priority(self.yield_nice, self.name)
             self.yielding = True
             self._caught_up_s += time.monotonic() - self._caught_up_at
+
+    def check(self, oldest_age_s: float) -> None:
+        """During a step: catch up if the oldest prompt without its first token has been here over `late_s`."""
+        if self.enabled and self.yielding and oldest_age_s > self.late_s:
+            self._catch_up(0.0, oldest_age_s)
+
+    def _catch_up(self, oldest_wait_s: float, oldest_age_s: float) -> None:
+        if not take_priority(self.start_nice, self.name):
+            self.enabled = False
+            return
+        self.yielding = False
+        self.num_catch_ups += 1
+        self._caught_up_at = time.monotonic()
+        log.debug("prefill worker catching up", waited_s=round(oldest_wait_s, 4), age_s=round(oldest_age_s, 4),
+                  nice=self.start_nice)

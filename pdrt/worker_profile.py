@@ -12,7 +12,8 @@ arithmetic, on a GPU node its few cores for Python. The profile decides:
   nice 10 throughout the prefill worker gets only what the rest leaves and
   TTFT breaks first, at 0 throughout long prompts stretch the decode steps.
   So such a prefill worker yields the CPU only while every prompt starts
-  within this fraction of the TTFT SLO (pdrt/priority.py, CatchUp).
+  within this fraction of the TTFT SLO and has its first token within
+  CATCH_UP_LATE of it (pdrt/priority.py, CatchUp).
 * `borrow_threads`: on the CPU a decode worker runs each step with the
   threads of the run's idle prefill workers too (pdrt/roles/thread_ledger.py),
   for a model of SMALL_MODEL_PARAMS or more: a smaller model's step is
@@ -40,6 +41,7 @@ log = structlog.get_logger(__name__)
 SMALL_MODEL_PARAMS = 10_000_000  # below: a step is bound by Python, not arithmetic
 PREFILL_NICE = 10
 CATCH_UP_WAIT = 0.25  # of [gateway] ttft_slo_s
+CATCH_UP_LATE = 0.5  # of [gateway] ttft_slo_s
 # A short whole prompt joining a step saves that step's fixed cost and delays its first prompt a little.
 CPU_PROMPT_BATCH = 64
 

@@ -11,6 +11,7 @@ from pdrt.planner.overheads import LOADED, fit_decode_seq, simulated_tpot
 from pdrt.planner.predict import predict
 from pdrt.planner.profile import Profile, measure_profile
 from pdrt.planner.simulator import Deployment, Overheads, Simulation
+from pdrt.worker_profile import CATCH_UP_LATE, SMALL_MODEL_PARAMS
 
 # A prompt costs 1 ms + 10 us a token; a decode step 2 ms + 100 us a sequence; attention free.
 COSTS = CostModel({1: ThreadsFit(StepFit(1e-3, 1e-5, 0.0), StepFit(2e-3, 1e-4, 0.0))}, kv_bytes_per_token=0)
@@ -112,6 +113,14 @@ def test_a_prefill_worker_yields_contended_cores_as_its_niceness_says():
     contended = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=1).run(requests)[1]
     assert alone.first_token == pytest.approx(0.01 + 11e-3)
     assert contended.first_token - 0.01 > 5 * 11e-3  # at a tenth of the weight until the stream ends
+
+
+def test_a_prompt_crawling_at_niceness_10_takes_the_cpu_back_once_its_first_token_is_late():
+    requests = [(0.0, RequestShape(4, 200)), (0.01, RequestShape(1000, 2))]  # the stream decodes throughout
+    slo = 0.1  # late after 50 ms; the prompt alone takes 11 ms
+    small = CostModel(COSTS.fits, 0, num_params=SMALL_MODEL_PARAMS - 1)  # a prefill worker that catches up
+    served = Simulation(small, Deployment(prefill=1, decode=1), cores=1, ttft_slo_s=slo).run(requests)[1]
+    assert CATCH_UP_LATE * slo < served.first_token - 0.01 < CATCH_UP_LATE * slo + 2 * 11e-3
 
 
 def test_streams_held_as_the_run_starts_decode_on_their_worker_and_slow_the_newcomers_there():

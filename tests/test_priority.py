@@ -39,14 +39,33 @@ def walk_through_waits(results) -> None:
         helper.join()
 
 
-def test_the_prefill_worker_yields_until_a_prompt_waits_too_long_then_until_the_queue_has_caught_up():
+def walk_through_ages(results) -> None:
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    catch_up = CatchUp(min(start + 10, 19), behind_s=0.1, name="test", late_s=0.2)
+    seen = []
+    for during_step, age_s in ((True, 0.15), (True, 0.25), (False, 0.15), (False, 0.05)):
+        # during a step: under, over: catch up; between steps, none waiting to start: above half: stay; under
+        if during_step:
+            catch_up.check(age_s)
+        else:
+            catch_up.update(0.0, age_s)
+        seen.append(niceness(os.getpid()))
+    results.put((start, seen, catch_up.num_catch_ups))
+
+
+def run_forked(case) -> tuple:
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    child = ctx.Process(target=walk_through_waits, args=(results,))
+    child = ctx.Process(target=case, args=(results,))
     child.start()
-    start, seen, num_catch_ups, enabled, caught_up_s = results.get(timeout=30)
+    got = results.get(timeout=30)
     child.join(timeout=30)
     assert child.exitcode == 0
+    return got
+
+
+def test_the_prefill_worker_yields_until_a_prompt_waits_too_long_then_until_the_queue_has_caught_up():
+    start, seen, num_catch_ups, enabled, caught_up_s = run_forked(walk_through_waits)
     low = min(start + 10, 19)
     if may_return_to(start):
         assert seen == [{low}, {low}, {start}, {start}, {low}]
@@ -55,3 +74,12 @@ def test_the_prefill_worker_yields_until_a_prompt_waits_too_long_then_until_the_
     else:  # not permitted to take the CPU back: it stays yielding and stops trying
         assert seen == [{low}] * 5
         assert (num_catch_ups, enabled, caught_up_s) == (0, False, [0.0] * 5)
+
+
+def test_a_prompt_without_its_first_token_too_long_takes_the_cpu_back_during_the_step_that_computes_it():
+    start, seen, num_catch_ups = run_forked(walk_through_ages)
+    low = min(start + 10, 19)
+    if may_return_to(start):
+        assert seen == [{low}, {start}, {start}, {low}] and num_catch_ups == 1
+    else:
+        assert seen == [{low}] * 4 and num_catch_ups == 0

@@ -30,7 +30,8 @@ What it models, as pdrt runs (docs/architecture.md):
   prefill worker runs at niceness 10 (a tenth of the others' weight while
   they contend), and with a model too small for its steps to be
   arithmetic, only while its oldest prompt has waited less than a quarter
-  of the TTFT SLO (pdrt/worker_profile.py).
+  of the TTFT SLO to start and half of it for its first token
+  (pdrt/worker_profile.py).
 * a chat turn whose conversation's previous turn has finished finds that
   turn's prompt and answer in the prefix cache;
 * a run may start with streams already on the decode workers (the
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field, fields
 
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
-from pdrt.worker_profile import CATCH_UP_WAIT, SMALL_MODEL_PARAMS
+from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, SMALL_MODEL_PARAMS
 
 NICE_WEIGHT = 110 / 1024  # the kernel's weight of niceness 10 against 0
 
@@ -143,7 +144,9 @@ class Simulation:
             w.cores = model.parallelism(w.threads)
             w.weight = NICE_WEIGHT if w.kind == "prefill" else 1.0
         # A small model's prefill worker takes its CPU back while a prompt has waited this long (CatchUp).
-        self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if model.num_params < SMALL_MODEL_PARAMS else None
+        small = model.num_params < SMALL_MODEL_PARAMS
+        self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if small else None
+        self.late_s = CATCH_UP_LATE * ttft_slo_s if small else None  # ... or has been here this long, started or not
         self.gateway, self.client = _Worker("gateway", 1), _Worker("client", 1)
         self.frontends = [self.gateway, self.client]
         self.now = 0.0
@@ -162,6 +165,13 @@ class Simulation:
         target = min(workers, key=lambda w: (sum(r.shape.input_tokens - r.cached for r in w.queue)
                                              + (w.work_left > 0) * 1e-3, len(w.running)))
         target.queue.append(req)
+        if kind == "prefill" and self.late_s is not None:
+            self._timer(self.now + self.late_s, ("late", (target, req)))
+
+    def _late(self, w: _Worker, req: SimRequest) -> None:
+        """A prompt's time for its first token is up: its prefill worker takes the CPU back if it still holds it."""
+        if req.first_token is None and (w.step == ("prefill", req) or req in w.queue):
+            w.weight = 1.0
 
     def _hand_off(self, req: SimRequest) -> None:
         decoders = [w for w in self.workers if w.kind == "decode"]
@@ -325,6 +335,8 @@ class Simulation:
                     self._arrive(what)
                 elif kind == "handoff":
                     self._hand_off(what)
+                elif kind == "late":
+                    self._late(*what)
                 else:
                     self.gateway.outputs.append((self._cpu(self.gateway, what), what))
         return reqs

@@ -56,7 +56,7 @@ from pdrt.roles.messaging import Inbox, Outbox, Senders
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
 from pdrt.wire import DraftSubmitted, DraftUpdate, Load, PrefillRequest, RequestFailed, StepOutputs
-from pdrt.worker_profile import log_profile, worker_profile
+from pdrt.worker_profile import CATCH_UP_LATE, log_profile, worker_profile
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +67,7 @@ RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError, StreamMovedError)
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
 LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measuring it costs a pass over the queues
+STEP_POLL_S = 0.02  # how often a worker that catches up looks in on the step under way
 
 
 class EngineWorker(Actor):
@@ -113,8 +114,9 @@ class EngineWorker(Actor):
         """The CPU priority the profile gives this worker's role: its niceness, or a catch-up between two."""
         profile = self.profile
         if profile.catch_up_wait is not None:
-            behind_s = profile.catch_up_wait * self.config.gateway.ttft_slo_s
-            self.catch_up = self.metrics.catch_up = CatchUp(profile.nice, behind_s, self.process_id)
+            slo_s = self.config.gateway.ttft_slo_s
+            self.catch_up = self.metrics.catch_up = CatchUp(profile.nice, profile.catch_up_wait * slo_s,
+                                                            self.process_id, CATCH_UP_LATE * slo_s)
         else:
             self.catch_up = self.metrics.catch_up = None
             take_priority(profile.nice, self.process_id)
@@ -240,7 +242,7 @@ class EngineWorker(Actor):
                 self.ledger.set_busy(has_work)
             if has_work:
                 started = time.perf_counter()
-                outputs = await loop.run_in_executor(self.executor, self._step)
+                outputs = await self._stepped(loop.run_in_executor(self.executor, self._step))
                 self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
                 self.step_guard.stepped(time.perf_counter(), bool(self.engine.last_batch.decodes),
                                         self.engine.last_tokens_per_stream)
@@ -256,6 +258,19 @@ class EngineWorker(Actor):
             now = time.monotonic()
             if now - self._load_measured_at >= LOAD_REFRESH_S:  # heartbeats read it 4 times a second
                 self._load, self._load_measured_at = self._measure_load(), now
+
+    async def _stepped(self, step: asyncio.Future) -> list[RequestOutput]:
+        """The outputs of the engine step under way; a worker that catches up looks in every STEP_POLL_S meanwhile
+        (`while_stepping`)."""
+        while self.catch_up is not None:
+            done, _ = await asyncio.wait({step}, timeout=STEP_POLL_S)
+            if done:
+                break
+            self.while_stepping()
+        return await step
+
+    def while_stepping(self) -> None:
+        """On the event loop while the engine thread steps (the engine is not to be touched)."""
 
     def _step(self) -> list[RequestOutput]:
         """On the engine thread: one engine step, with the threads the ledger allows now."""

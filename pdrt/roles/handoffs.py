@@ -134,6 +134,18 @@ class Handoffs:
             log.warning("kv lease expired without an acknowledgement", request_id=request_id)
             self.release(request_id, acked=False)
 
+    def forget_gone(self) -> None:
+        """Between steps: drop from `arrived` the prompts the engine no longer holds (failed, moved by a role
+        change), so that none counts as late forever."""
+        sequences = self.worker.engine.sequences
+        for rid in [r for r in self.arrived if r not in self.unadded and r not in sequences]:
+            del self.arrived[rid]
+
+    def oldest_age(self, now: float) -> float:
+        """Seconds the oldest admitted prompt without its first token has been here, started or not; 0 when none
+        (reads this object's own table only: safe while the engine steps)."""
+        return now - min(self.arrived.values()) if self.arrived else 0.0
+
     def oldest_wait(self, now: float) -> float:
         """Seconds the oldest admitted prompt not yet started has waited; 0 when none waits."""
         waiting = [self.arrived[s.request_id] for s in self.worker.engine.scheduler.waiting

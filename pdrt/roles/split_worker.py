@@ -135,7 +135,12 @@ class SplitWorker(EngineWorker):
         self.handoffs.expire(now)
         self.imports.admit_waiting()
         if self.catch_up is not None:
-            self.catch_up.update(self.handoffs.oldest_wait(now))
+            self.handoffs.forget_gone()
+            self.catch_up.update(self.handoffs.oldest_wait(now), self.handoffs.oldest_age(now))
+
+    def while_stepping(self) -> None:
+        if self.catch_up is not None:
+            self.catch_up.check(self.handoffs.oldest_age(time.monotonic()))
 
     def _measure_load(self) -> Load:
         """The load, with the queue's account for the gateways' moves of late prompts, remade whenever the load
