@@ -7,6 +7,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
@@ -29,6 +30,7 @@ from pdrt.control_plane.role_changes import RoleChanges
 from pdrt.metrics.exposition import parse
 from pdrt.planner.cost_model import StepFit
 from pdrt.planner.profile import Profile, default_profile_path
+from pdrt.planner.simulator import Overheads
 from pdrt.wire import ChangeRole
 
 SLO = Slo(0.2, 0.02)
@@ -210,6 +212,11 @@ def test_decode_steps_of_enough_streams_slower_than_the_profile_make_decode_work
     few = predict_splits(PROFILE, PROFILE.serving_overheads(),
                          Signals(120, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((2, 4 * step),)), SLO, 1, 8, 30)
     assert few.predicted == quiet.predicted
+    # Steps as long as the model's plus what serving adds to them are as the simulator makes them: no slowdown.
+    serving = Overheads(step_overhead_s=1e-3, decode_seq_s=2e-4)
+    as_simulated = predict_splits(PROFILE, serving, Signals(120, 64, 400, 1.0, 0, 0, 2, 1,
+                                                            decode_steps=((5, step + 1e-3 + 5 * 2e-4),)), SLO, 1, 8, 30)
+    assert as_simulated.slowdown == 1.0 and loaded.slowdown == pytest.approx(3.0)
 
 
 def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_half_a_minute_at_least():

@@ -4,7 +4,7 @@ from pdrt.engine.block_manager import BlockManager
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.engine.scheduler import Scheduler
 from pdrt.engine.sequence import Sequence
-from pdrt.engine.step_guard import MARGIN, PATIENCE, RECOVERY, SLOWEST, StepGuard
+from pdrt.engine.step_guard import PATIENCE, RECOVERY, SLOWEST, StepGuard
 
 SLO = 0.1
 OVER, UNDER = 1.5 * SLO, 0.5 * SLO
@@ -77,13 +77,22 @@ def test_recovery_promotes_the_most_recently_demoted_first():
     guard, seqs = guarded(100, 900, 300, 50)
     feed(guard, OVER, 2 * PATIENCE)
     assert guard.scheduler.demoted == [seqs[1], seqs[2]]
-    feed(guard, (1 + MARGIN) / 2 * SLO, 2 * RECOVERY)  # under the SLO but not by the margin: no promotion
+    feed(guard, 0.9 * SLO, 2 * RECOVERY)  # under the SLO but with no room for a fifth of it more: no promotion
     feed(guard, UNDER, RECOVERY - 1)
     assert guard.scheduler.demoted == [seqs[1], seqs[2]]
     guard.observe(UNDER)
     assert guard.scheduler.demoted == [seqs[1]] and seqs[2].decode_every == 1
     feed(guard, UNDER, RECOVERY)
     assert guard.scheduler.demoted == [] and guard.scheduler.num_promotions == 2
+
+
+def test_a_large_batch_takes_a_stream_back_closer_to_the_slo_than_a_small_one():
+    small, _ = guarded(100, 900, 300, 50)
+    large, _ = guarded(*range(100, 1300, 100))
+    for guard in (small, large):
+        feed(guard, 1.05 * SLO, PATIENCE)  # one demoted
+        feed(guard, 0.9 * SLO, SLOWEST + RECOVERY)  # a twelfth more fits under the SLO, a fifth does not
+    assert len(small.scheduler.demoted) == 1 and large.scheduler.demoted == []
 
 
 def test_streams_that_end_bring_the_demoted_back_to_at_most_half():

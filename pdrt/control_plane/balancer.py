@@ -30,9 +30,10 @@ a stream at the TPOT SLO (a queue that a load just past a worker's
 capacity builds grows for tens of seconds, and streams pile up on a decode
 worker over their whole lives: a shorter look takes a load that will not
 hold for one that does);
-decode steps as much slower than the profile's as the steps of the
-decode workers holding MIN_STEP_STREAMS streams or more are now, a loaded
-machine being slower than the quiet one it was profiled on. It moves one
+decode steps as much slower than the simulator's (the profile's step and
+what serving adds to it) as the steps of the decode workers holding
+MIN_STEP_STREAMS streams or more are now, a loaded machine being slower
+than the quiet one it was profiled on. It moves one
 worker toward the best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
@@ -136,6 +137,7 @@ class Decision:
     best: tuple[int, int]  # (prefill, decode)
     predicted: dict[tuple[int, int], float]  # split -> predicted attainment
     lateness: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> lateness(); {}: not known
+    slowdown: float = 1.0  # of decode steps against the profile's, as predicted
 
 
 def lateness(summary: RateSummary, slo: Slo) -> float:
@@ -153,10 +155,13 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     costs = profile.cost_model()
     left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
     context = round(signals.mean_input + max(0.0, signals.mean_output - left))  # of a stream held now
-    ratios = [seconds / costs.decode_step_s(batch, batch * context, threads)
+    # Against the step as the simulator makes it (the model's step and what serving adds to it), not the model's
+    # alone: the profile's loaded node already put a loaded step's extra cost per stream in those additions.
+    ratios = [seconds / (costs.decode_step_s(batch, batch * context, threads) + overheads.step_overhead_s
+                         + overheads.decode_seq_s * batch)
               for batch, seconds in signals.decode_steps if batch >= MIN_STEP_STREAMS and seconds]
-    if ratios:
-        costs = costs.slower(decode=min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))))
+    slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))) if ratios else 1.0
+    costs = costs.slower(decode=slowdown)
 
     def shape(mean_in: float, mean_out: float) -> RequestShape:
         mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean
@@ -185,7 +190,7 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     current = (signals.prefill, signals.decode)
     # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
     best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
-    return Decision(best, predicted, late)
+    return Decision(best, predicted, late, slowdown)
 
 
 def share_used(window: dict[str, float], since_start: dict[str, float]) -> float | None:
@@ -347,6 +352,8 @@ class Balancer:
         previous, self.previous_best = self.previous_best, best
         figures = ", ".join(f"{p}P+{d}D {a:.0%}" + (f" (late x{late[(p, d)]:.1f})" if (p, d) in late else "")
                             for (p, d), a in sorted(predicted.items()))
+        if decision.slowdown != 1.0:
+            figures += f"; decode steps x{decision.slowdown:.2f} the profile's"
         if best == current or (gain < MARGIN and not sooner):
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"

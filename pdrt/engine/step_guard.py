@@ -14,10 +14,14 @@ allows, and then one more after each further PATIENCE. Of two streams that
 cost a step alike, the one with more tokens to come spreads the delay over
 more of them: a long answer skipped for a while keeps its mean TPOT, a
 short one ends with it broken.
+
 It never demotes more than half the decoding streams; with half demoted
 it decodes the demoted ones less often still (every SLOWEST-th step). Once
-RECOVERY consecutive means have stayed under MARGIN times the SLO, it
-promotes one back, the most recently demoted first, and so on.
+RECOVERY consecutive means have stayed low enough to take one more stream
+back (under n / (n + 1) of the SLO with n streams decoding: a stream adds
+at most its share of the step), it promotes one back, the most recently
+demoted first, and so on. A fixed margin kept a stream demoted for good in
+a large batch, its own TPOT broken, where a step had room for it.
 Sequences carry no priority, so their lengths alone say which stream
 costs the most.
 """
@@ -33,7 +37,6 @@ log = structlog.get_logger(__name__)
 
 PATIENCE = 3
 RECOVERY = 8
-MARGIN = 0.8  # promoting back at just under the SLO would put the interval over it again at once
 DECODE_EVERY = 2
 SLOWEST = 4
 
@@ -44,7 +47,7 @@ class StepGuard:
         self.tpot_slo_s = tpot_slo_s
         self.intervals: deque[float] = deque(maxlen=SLOWEST)  # a cycle of the least often decoded stream
         self.num_over = 0  # consecutive means over the SLO
-        self.num_under = 0  # consecutive means under MARGIN times the SLO
+        self.num_under = 0  # consecutive means low enough to promote a stream back (`room`)
         self.last_decode_at: float | None = None
 
     def stepped(self, now: float, decoded: bool, tokens_per_stream: float = 1.0) -> None:
@@ -74,7 +77,7 @@ class StepGuard:
                 self._demote(mean_s)
         else:
             self.num_over = 0
-            self.num_under = self.num_under + 1 if mean_s < MARGIN * self.tpot_slo_s and demoted else 0
+            self.num_under = self.num_under + 1 if demoted and mean_s < self.room() * self.tpot_slo_s else 0
             if self.num_under >= RECOVERY:
                 self.num_under = 0
                 self._promote(demoted[-1], "recovered")
@@ -82,6 +85,11 @@ class StepGuard:
             decoding = self._num_decoding()
             while len(demoted) > decoding // 2:  # streams have ended since
                 self._promote(demoted[-1], "fewer streams")
+
+    def room(self) -> float:
+        """The share of the SLO under which the interval has room for one more stream decoded every step."""
+        decoding = self._num_decoding()
+        return decoding / (decoding + 1)
 
     @staticmethod
     def work_left(seq: Sequence) -> int:

@@ -206,7 +206,7 @@ class _EngineCollector:
                                     "(target > 8)", value=prefill_stability(m.prefill_times))
         if m.catch_up is not None:
             yield CounterMetricFamily("pdrt_prefill_catch_ups", "Times the prefill worker took its starting "
-                                      "niceness back because a prompt waited too long to start",
+                                      "niceness back because a prompt waited too long to start or for its first token",
                                       value=m.catch_up.num_catch_ups)
             yield CounterMetricFamily("pdrt_prefill_caught_up_seconds", "Seconds the prefill worker ran at its "
                                       "starting niceness, catching up", value=m.catch_up.caught_up_s)
