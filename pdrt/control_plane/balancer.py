@@ -33,8 +33,8 @@ hold for one that does);
 decode steps as much slower than the simulator's (the profile's step and
 what serving adds to it) as the steps of the decode workers holding
 MIN_STEP_STREAMS streams or more are now, a loaded machine being slower
-than the quiet one it was profiled on. It moves one
-worker toward the best split when all of these hold:
+than the quiet one it was profiled on. It moves one worker toward the
+best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
   or, where the current one is predicted to miss the SLOs for most
@@ -95,7 +95,7 @@ SOONER = 0.7  # of the current split's predicted lateness: a split as good by at
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
-MAX_SLOWDOWN = 4.0  # of decode steps against the profile's: beyond it, something else is wrong
+MAX_SLOWDOWN = 4.0  # of decode steps against the simulator's: beyond it, something else is wrong
 # A decode worker's steps tell how much slower decode runs than profiled only when it holds this many streams:
 # a step of fewer is mostly its fixed cost, and the time it waited for a core while prompts were computed.
 MIN_STEP_STREAMS = 4
@@ -137,7 +137,7 @@ class Decision:
     best: tuple[int, int]  # (prefill, decode)
     predicted: dict[tuple[int, int], float]  # split -> predicted attainment
     lateness: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> lateness(); {}: not known
-    slowdown: float = 1.0  # of decode steps against the profile's, as predicted
+    slowdown: float = 1.0  # of decode steps against the simulator's, as predicted with
 
 
 def lateness(summary: RateSummary, slo: Slo) -> float:
@@ -353,7 +353,7 @@ class Balancer:
         figures = ", ".join(f"{p}P+{d}D {a:.0%}" + (f" (late x{late[(p, d)]:.1f})" if (p, d) in late else "")
                             for (p, d), a in sorted(predicted.items()))
         if decision.slowdown != 1.0:
-            figures += f"; decode steps x{decision.slowdown:.2f} the profile's"
+            figures += f"; decode steps x{decision.slowdown:.2f} the simulator's"
         if best == current or (gain < MARGIN and not sooner):
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"

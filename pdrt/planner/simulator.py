@@ -170,7 +170,8 @@ class Simulation:
 
     def _late(self, w: _Worker, req: SimRequest) -> None:
         """A prompt's time for its first token is up: its prefill worker takes the CPU back if it still holds it."""
-        if req.first_token is None and (w.step == ("prefill", req) or req in w.queue):
+        computing = w.step is not None and w.step[0] == "prefill" and w.step[1] is req
+        if req.first_token is None and (computing or any(r is req for r in w.queue)):
             w.weight = 1.0
 
     def _hand_off(self, req: SimRequest) -> None:
