@@ -11,12 +11,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
+from pdrt.control_plane import balancer
 from pdrt.control_plane.balancer import (
     HORIZON_S,
     LARGE_GAIN,
     MARGIN,
     MIN_REQUESTS,
     PREDICT_NICE,
+    SAMPLES,
     SOONER,
     URGENT,
     Balancer,
@@ -198,6 +200,19 @@ def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, 
                          timeout_s=10, interval_s=0.5)
         assert "balancer: predicted" in lines[0]
         assert any(line.startswith("balancer at ") for line in summary_lines(scrape(node)[1]))
+
+
+def test_a_prediction_is_the_mean_over_draws_of_the_arrivals_ahead(monkeypatch):
+    # 2P+1D at its knee: one decode worker holding twenty streams as long answers keep coming; one draw's burst
+    # or lull swings its attainment by tens of points.
+    knee = Signals(285, 64, 400, 1.0, 0, 20, 2, 1, mean_left=250, held=(20,))
+    mean = predict_splits(PROFILE, PROFILE.serving_overheads(), knee, SLO, 1, 8, 30)
+    monkeypatch.setattr(balancer, "SAMPLES", 1)
+    draws = [predict_splits(PROFILE, PROFILE.serving_overheads(), knee, SLO, 1, 8, 30, seed=s)
+             for s in range(SAMPLES)]
+    assert max(d.predicted[(2, 1)] for d in draws) - min(d.predicted[(2, 1)] for d in draws) > 0.2
+    for split in mean.predicted:
+        assert mean.predicted[split] == pytest.approx(sum(d.predicted[split] for d in draws) / SAMPLES)
 
 
 def test_decode_steps_of_enough_streams_slower_than_the_profile_make_decode_workers_worth_more():

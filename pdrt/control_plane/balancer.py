@@ -23,9 +23,10 @@ the last two intervals:
 
 It then predicts, with `pdrt plan`'s simulator and this host's profile
 (pdrt/planner), the SLO attainment each split of the node's workers would
-give that load over the time ahead: the queues as they stand, then
-Poisson arrivals at the measured rate with lengths around the measured
-means, for the longest of HORIZON_S, two intervals, and two lifetimes of
+give that load over the time ahead, the mean over SAMPLES draws of it:
+the queues as they stand, then Poisson arrivals at the measured rate with
+lengths around the measured means, for the longest of HORIZON_S, two
+intervals, and two lifetimes of
 a stream at the TPOT SLO (a queue that a load just past a worker's
 capacity builds grows for tens of seconds, and streams pile up on a decode
 worker over their whole lives: a shorter look takes a load that will not
@@ -94,6 +95,9 @@ URGENT = 0.5  # predicted attainment of the current split below which a better o
 SOONER = 0.7  # of the current split's predicted lateness: a split as good by attainment and this much sooner wins
 MIN_REQUESTS = 5  # in a window, to read a load off it
 MAX_SIM_REQUESTS = 400
+# Draws of the arrivals ahead a prediction averages: at a node's knee one draw's burst or lull swings a split's
+# attainment by tens of points.
+SAMPLES = 3
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
 MAX_SLOWDOWN = 4.0  # of decode steps against the simulator's: beyond it, something else is wrong
 # A decode worker's steps tell how much slower decode runs than profiled only when it holds this many streams:
@@ -149,9 +153,8 @@ def lateness(summary: RateSummary, slo: Slo) -> float:
 
 def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
                    horizon_s: float, seed: int = 0) -> Decision:
-    """Predicted attainment of every split of the node's split workers under the load `signals` describe."""
-    rng = random.Random(seed)
-    rate = signals.requests_per_min / 60
+    """Predicted attainment of every split of the node's split workers under the load `signals` describe: the
+    mean over SAMPLES draws of the arrivals and lengths ahead."""
     costs = profile.cost_model()
     left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
     context = round(signals.mean_input + max(0.0, signals.mean_output - left))  # of a stream held now
@@ -162,35 +165,45 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
               for batch, seconds in signals.decode_steps if batch >= MIN_STEP_STREAMS and seconds]
     slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))) if ratios else 1.0
     costs = costs.slower(decode=slowdown)
+    counts = signals.streams_by_worker()
+    workers = signals.prefill + signals.decode
+    rate = signals.requests_per_min / 60
+    options = BenchOptions(slo=slo)
+    runs: dict[tuple[int, int], list[RateSummary]] = {(p, workers - p): [] for p in range(1, workers)}
+    for sample in range(SAMPLES):
+        requests, streams = draw(random.Random(seed + sample), signals, rate, left, context, horizon_s,
+                                 profile.max_model_len)
+        for (p, d), summaries in runs.items():
+            summaries.append(simulate(costs, Deployment(prefill=p, decode=d, threads=threads), cores, requests,
+                                      options, rate, overheads, held_after_change(streams, counts, d)))
+    predicted = {split: statistics.fmean(r.attainment for r in summaries) for split, summaries in runs.items()}
+    late = {split: statistics.fmean(lateness(r, slo) for r in summaries) for split, summaries in runs.items()}
+    current = (signals.prefill, signals.decode)
+    # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
+    best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
+    return Decision(best, predicted, late, slowdown)
 
+
+def draw(rng: random.Random, signals: Signals, rate: float, left: float, context: int, horizon_s: float,
+         max_model_len: int) -> tuple[list[tuple[float, RequestShape]], list[tuple[int, int]]]:
+    """One draw of what is ahead: the prompts waiting now and Poisson arrivals at `rate` over `horizon_s`
+    ((arrival s, lengths) in order), and the streams held now ((context, tokens left) each), lengths around the
+    measured means."""
     def shape(mean_in: float, mean_out: float) -> RequestShape:
         mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean
         out = max(1, round(mean_out * rng.lognormvariate(mu, LENGTH_SIGMA)))
         inp = max(4, round(mean_in * rng.lognormvariate(mu, LENGTH_SIGMA)))
-        return RequestShape(min(inp, max(4, profile.max_model_len - out)), out)
+        return RequestShape(min(inp, max(4, max_model_len - out)), out)
 
     requests = [(0.0, shape(signals.mean_input, signals.mean_output)) for _ in range(signals.prefill_waiting)]
-    counts = signals.streams_by_worker()
-    streams = [(context, shape(0, left).output_tokens) for _ in range(sum(counts))]
+    streams = [(context, shape(0, left).output_tokens) for _ in range(sum(signals.streams_by_worker()))]
     now = 0.0
     while rate > 0 and len(requests) < MAX_SIM_REQUESTS:
         now += rng.expovariate(rate)
         if now > horizon_s:
             break
         requests.append((now, shape(signals.mean_input, signals.mean_output)))
-    requests.sort(key=lambda r: r[0])
-    workers = signals.prefill + signals.decode
-    options = BenchOptions(slo=slo)
-    runs = {(p, workers - p): simulate(costs, Deployment(prefill=p, decode=workers - p, threads=threads),
-                                       cores, requests, options, rate, overheads,
-                                       held_after_change(streams, counts, workers - p))
-            for p in range(1, workers)}
-    predicted = {split: run.attainment for split, run in runs.items()}
-    late = {split: lateness(run, slo) for split, run in runs.items()}
-    current = (signals.prefill, signals.decode)
-    # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
-    best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
-    return Decision(best, predicted, late, slowdown)
+    return requests, streams
 
 
 def share_used(window: dict[str, float], since_start: dict[str, float]) -> float | None:
