@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdrt.bench import Slo
-from pdrt.control_plane import balancer
+from pdrt.control_plane import balancer as balancer_module
 from pdrt.control_plane.balancer import (
     HORIZON_S,
     LARGE_GAIN,
@@ -207,7 +207,7 @@ def test_a_prediction_is_the_mean_over_draws_of_the_arrivals_ahead(monkeypatch):
     # or lull swings its attainment by tens of points.
     knee = Signals(285, 64, 400, 1.0, 0, 20, 2, 1, mean_left=250, held=(20,))
     mean = predict_splits(PROFILE, PROFILE.serving_overheads(), knee, SLO, 1, 8, 30)
-    monkeypatch.setattr(balancer, "SAMPLES", 1)
+    monkeypatch.setattr(balancer_module, "SAMPLES", 1)
     draws = [predict_splits(PROFILE, PROFILE.serving_overheads(), knee, SLO, 1, 8, 30, seed=s)
              for s in range(SAMPLES)]
     assert max(d.predicted[(2, 1)] for d in draws) - min(d.predicted[(2, 1)] for d in draws) > 0.2
