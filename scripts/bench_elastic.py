@@ -128,16 +128,20 @@ def run_system(workdir: Path, model: str, name: str, requests, slo: Slo, interva
         warm_up(node.address, seed + 999)
         records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed))
         flips = node.role_changes_ms()
-    phases = [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo)
-              for i in range(len(PHASES))]
     whole = summarize(records, 0.0, slo)
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
-    result = {"attainment": whole.attainment, "phases": [s.attainment for s in phases],
+    result = {"attainment": whole.attainment, "phases": phase_attainment(records, requests, slo),
               "ttft_p95": percentile(ttfts, 95), "flips_ms": flips, "failed": whole.num_failed}
     log(f"{name}: attainment {whole.attainment:.1%} (phases {phase_figures(result, 'measured')}), "
         + f"TTFT p95 {1e3 * (result['ttft_p95'] or 0):.0f} ms, {len(flips)} role changes "
         + (f"({', '.join(f'{f:.0f}' for f in flips)} ms)" if flips else "") + f", {whole.num_failed} failed")
     return result
+
+
+def phase_attainment(records: list[RequestRecord], requests, slo: Slo) -> list[float]:
+    """The SLO attainment of the requests of each phase (`records` in the order of `requests`)."""
+    return [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo).attainment
+            for i in range(len(PHASES))]
 
 
 def phase_figures(result: dict, kind: str) -> str:
@@ -180,9 +184,7 @@ def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed:
     records = simulated_records(profile.cost_model().slower(*speed), Deployment(prefill=prefill, decode=decode),
                                 os.cpu_count() or 2, [(t, s) for t, s, _ in requests], BenchOptions(slo=slo),
                                 profile.serving_overheads().slower(speed[1]))
-    phases = [summarize([r for r, (_, _, p) in zip(records, requests, strict=True) if p == i], 0.0, slo).attainment
-              for i in range(len(PHASES))]
-    return summarize(records, 0.0, slo).attainment, phases
+    return summarize(records, 0.0, slo).attainment, phase_attainment(records, requests, slo)
 
 
 def main() -> None:

@@ -141,7 +141,7 @@ class Decision:
     best: tuple[int, int]  # (prefill, decode)
     predicted: dict[tuple[int, int], float]  # split -> predicted attainment
     lateness: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> lateness(); {}: not known
-    slowdown: float = 1.0  # of decode steps against the simulator's, as predicted with
+    slowdown: float = 1.0  # of decode steps against the simulator's, that the prediction took
 
 
 def lateness(summary: RateSummary, slo: Slo) -> float:
@@ -171,8 +171,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     options = BenchOptions(slo=slo)
     runs: dict[tuple[int, int], list[RateSummary]] = {(p, workers - p): [] for p in range(1, workers)}
     for sample in range(SAMPLES):
-        requests, streams = draw(random.Random(seed + sample), signals, rate, left, context, horizon_s,
-                                 profile.max_model_len)
+        requests, streams = draw(random.Random(seed + sample), signals, sum(counts), rate, left, context,
+                                 horizon_s, profile.max_model_len)
         for (p, d), summaries in runs.items():
             summaries.append(simulate(costs, Deployment(prefill=p, decode=d, threads=threads), cores, requests,
                                       options, rate, overheads, held_after_change(streams, counts, d)))
@@ -184,11 +184,11 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     return Decision(best, predicted, late, slowdown)
 
 
-def draw(rng: random.Random, signals: Signals, rate: float, left: float, context: int, horizon_s: float,
-         max_model_len: int) -> tuple[list[tuple[float, RequestShape]], list[tuple[int, int]]]:
+def draw(rng: random.Random, signals: Signals, num_streams: int, rate: float, left: float, context: int,
+         horizon_s: float, max_model_len: int) -> tuple[list[tuple[float, RequestShape]], list[tuple[int, int]]]:
     """One draw of what is ahead: the prompts waiting now and Poisson arrivals at `rate` over `horizon_s`
-    ((arrival s, lengths) in order), and the streams held now ((context, tokens left) each), lengths around the
-    measured means."""
+    ((arrival s, lengths) in order), and the `num_streams` streams held now ((context, tokens left) each),
+    lengths around the measured means."""
     def shape(mean_in: float, mean_out: float) -> RequestShape:
         mu = -LENGTH_SIGMA ** 2 / 2  # the lognormal's mean is then the measured mean
         out = max(1, round(mean_out * rng.lognormvariate(mu, LENGTH_SIGMA)))
@@ -196,7 +196,7 @@ def draw(rng: random.Random, signals: Signals, rate: float, left: float, context
         return RequestShape(min(inp, max(4, max_model_len - out)), out)
 
     requests = [(0.0, shape(signals.mean_input, signals.mean_output)) for _ in range(signals.prefill_waiting)]
-    streams = [(context, shape(0, left).output_tokens) for _ in range(sum(signals.streams_by_worker()))]
+    streams = [(context, shape(0, left).output_tokens) for _ in range(num_streams)]
     now = 0.0
     while rate > 0 and len(requests) < MAX_SIM_REQUESTS:
         now += rng.expovariate(rate)

@@ -155,8 +155,8 @@ def measure_overheads(model: str, profile: Profile) -> Overheads:
                            "experimental": {"prefill_threads": 1, "decode_threads": 1}})
         with node:
             measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"], probe))
-    model = profile.cost_model()
-    costs = model.slower(*measured.light_speed)
+    steps = profile.cost_model()
+    costs = steps.slower(*measured.light_speed)
     records = measured.light
     gap = statistics.median(g for r in records for g in r.itls_s[1:])
     step = max(0.0, gap - costs.decode_step_s(1, PROMPT + ANSWER // 2))
@@ -169,6 +169,6 @@ def measure_overheads(model: str, profile: Profile) -> Overheads:
                      gateway_token_s=gateway[1], client_request_s=client[0], client_token_s=client[1]
                      ).slower(1 / measured.light_speed[1])
     cores = os.cpu_count() or 1
-    per_stream = [fit_decode_seq(model.slower(*speed), base.slower(speed[1]), cores, LOADED, tpot) / speed[1]
+    per_stream = [fit_decode_seq(steps.slower(*speed), base.slower(speed[1]), cores, LOADED, tpot) / speed[1]
                   for tpot, speed in measured.loaded]
     return dataclasses.replace(base, decode_seq_s=statistics.median(per_stream))
