@@ -43,6 +43,7 @@ import random
 import statistics
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,7 +59,7 @@ from pdrt.planner.simulator import Deployment  # noqa: E402
 from pdrt.testing.node import Node, free_port  # noqa: E402
 
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
-RATE_LADDER = (2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
+RATE_LADDER = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
 DEFAULT_POOL = {"kv_cache_bytes": 0}  # the pool `pdrt up` gives a worker, not the test harness's small one
@@ -156,23 +157,39 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
     CALIBRATION_ATTAINMENT of a run of that phase's load alone, as long as a phase: 2P+1D of the prefill-heavy
     load, 1P+2D of the decode-heavy one (a shorter run ends before long streams have piled up as they do over
     a phase). The host sets it, measured at the start of the run: a fixed rate swings every system's
-    attainment as the host's speed drifts."""
-    limit = RATE_LADDER[-1]
+    attainment as the host's speed drifts. Each phase's rate is bisected over the ladder (a few runs rather
+    than one per rung); the lowest rung when none holds."""
+    rates = RATE_LADDER
     for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
-        held = RATE_LADDER[0]
         node = system_node(workdir / f"calibration-{name}", model, name, slo)
         with node:
             warm_up(node.address, seed)
-            for rate in (r for r in RATE_LADDER if r <= limit):
-                requests = workload(rate, phase_s, seed + 500, lengths, (phase,))
-                records = asyncio.run(drive(node.address, [(t, s) for t, s, _ in requests], slo, seed + 500))
-                attainment = summarize(records, 0.0, slo).attainment
-                log(f"calibration: {rate:g} req/s of the {phase} load, {name} attains {attainment:.0%}")
-                if attainment < CALIBRATION_ATTAINMENT:
-                    break
-                held = rate
-        limit = held
-    return limit
+            holds = partial(holds_alone, node.address, name, phase, phase_s, seed + 500, lengths, slo)
+            rates = rates[:highest_holding(rates, holds) + 1]
+    return rates[-1]
+
+
+def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
+                slo: Slo, rate: float) -> bool:
+    """Whether node `name` at `address` attains CALIBRATION_ATTAINMENT of `phase`'s load alone at `rate`."""
+    requests = workload(rate, phase_s, seed, lengths, (phase,))
+    records = asyncio.run(drive(address, [(t, s) for t, s, _ in requests], slo, seed))
+    attainment = summarize(records, 0.0, slo).attainment
+    log(f"calibration: {rate:g} req/s of the {phase} load, {name} attains {attainment:.0%}")
+    return attainment >= CALIBRATION_ATTAINMENT
+
+
+def highest_holding(rates: tuple[float, ...], holds) -> int:
+    """The index of the highest of the ascending `rates` for which `holds(rate)`, found by bisection (a rate
+    that holds is taken to mean every lower one does); 0 when none holds."""
+    held, failed = -1, len(rates)
+    while failed - held > 1:
+        middle = (held + failed) // 2
+        if holds(rates[middle]):
+            held = middle
+        else:
+            failed = middle
+    return max(held, 0)
 
 
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed: tuple[float, float] = (1.0, 1.0)

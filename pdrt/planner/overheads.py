@@ -142,13 +142,13 @@ def fit_decode_seq(costs: CostModel, overheads: Overheads, cores: int, requests:
     return (low + high) / 2
 
 
-def measure_overheads(model: str, profile: Profile) -> Overheads:
+def measure_overheads(model: str, profile: Profile, loaded=None) -> Overheads:
     """Start a node of one prefill and DECODE_WORKERS decode workers (a thread each) on `model`, and measure, the
-    profile's step times taken at the host's speed just before each load (SpeedProbe); the figures returned are
-    at the speed the profile was measured at."""
+    profile's step times taken at the host's speed just before each load (SpeedProbe, on `model` as `loaded`
+    here when given); the figures returned are at the speed the profile was measured at."""
     from pdrt.testing.node import Node
 
-    probe = SpeedProbe(model, profile)
+    probe = SpeedProbe(model, profile, loaded=loaded)
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
                     extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},

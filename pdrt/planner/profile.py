@@ -187,14 +187,15 @@ def profiling_engine(model: str, loaded, max_context: int):
 
 
 def measure_profile(model: str, threads: list[int] | None = None, max_context: int = 2048,
-                    repeats: int = REPEATS, log: Callable[[str], None] = lambda _: None) -> Profile:
-    """Measure `model` (a checkpoint directory) on this machine; a few minutes for a 135M model on 2 cores."""
+                    repeats: int = REPEATS, log: Callable[[str], None] = lambda _: None, loaded=None) -> Profile:
+    """Measure `model` (a checkpoint directory; `loaded`: it loaded already) on this machine; a few minutes for
+    a 135M model on 2 cores."""
     import torch
 
     from pdrt.engine.model_loader import load_model
 
     cores = os.cpu_count() or 1
-    loaded = load_model(model)
+    loaded = loaded if loaded is not None else load_model(model)
     profile: Profile | None = None
     for t in threads or thread_counts(cores):
         torch.set_num_threads(t)
@@ -232,12 +233,15 @@ def measure_profile(model: str, threads: list[int] | None = None, max_context: i
 def profile_model(model: str, threads: list[int] | None = None, max_context: int = 2048, serving: bool = True,
                   log: Callable[[str], None] = lambda _: None) -> Profile:
     """`pdrt profile`: the engine's step times, then (with `serving`) what a running node adds to them."""
-    profile = measure_profile(model, threads, max_context, log=log)
+    from pdrt.engine.model_loader import load_model
+
+    loaded = load_model(model)
+    profile = measure_profile(model, threads, max_context, log=log, loaded=loaded)
     if serving:
         from pdrt.planner.overheads import measure_overheads
 
         log("measuring a node of one prefill and two decode workers")
-        profile.overheads = asdict(measure_overheads(model, profile))
+        profile.overheads = asdict(measure_overheads(model, profile, loaded))
     return profile
 
 
@@ -250,7 +254,7 @@ class SpeedProbe:
     BATCH, CONTEXT = 16, 256
     REPEATS = 5
 
-    def __init__(self, model: str, profile: Profile, threads: int = 1) -> None:
+    def __init__(self, model: str, profile: Profile, threads: int = 1, loaded=None) -> None:
         import torch
 
         from pdrt.engine.model_loader import load_model
@@ -258,7 +262,8 @@ class SpeedProbe:
         torch.set_num_threads(threads)
         self.costs, self.threads = profile.cost_model(), threads
         self.prompt = min(self.PROMPT, profile.max_model_len // 2)
-        self.bench = StepBench(profiling_engine(model, load_model(model), profile.max_model_len))
+        self.bench = StepBench(profiling_engine(model, loaded if loaded is not None else load_model(model),
+                                                        profile.max_model_len))
         self.bench.prefill(16, 0, 1)  # the first forward passes of a process are slow
 
     def factors(self) -> tuple[float, float]:
