@@ -214,6 +214,7 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     step_s: float = 0.0
     decode_step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps that prefilled (0.0: none)
+    prefill_step_tokens: float = 0.0  # the prompt tokens one of those steps computed, on average
     # A prefill worker's prompts without their first token: request id -> prompt tokens it computes until that
     # one's first token, if no other arrives (pdrt.engine.scheduler.Scheduler.first_token_work); and those of
     # them it has begun, which it can no longer give back (`Withdraw`).

@@ -234,6 +234,23 @@ def test_decode_steps_of_enough_streams_slower_than_the_profile_make_decode_work
     assert as_simulated.slowdown == 1.0 and loaded.slowdown == pytest.approx(3.0)
 
 
+
+def test_prompts_slower_than_the_profile_make_prefill_workers_worth_more():
+    # 1200 prompts a minute of 1024 tokens: the one prefill worker keeps up at the profile's speed, not at half.
+    costs, overheads = PROFILE.cost_model(), PROFILE.serving_overheads()
+
+    def load(step_tokens: int, times_slower: float) -> Signals:
+        rate = step_tokens / (times_slower * (costs.prefill_s(step_tokens, 0) + overheads.step_overhead_s))
+        return Signals(1200, 1024, 16, 1.0, 0, 0, 1, 2, prefill_steps=((step_tokens, rate),))
+
+    as_profiled = predict_splits(PROFILE, overheads, load(512, 1.0), SLO, 1, 8, 30)
+    slow = predict_splits(PROFILE, overheads, load(512, 2.0), SLO, 1, 8, 30)
+    assert as_profiled.prefill_slowdown == 1.0 and as_profiled.best == (1, 2)
+    assert slow.prefill_slowdown == pytest.approx(2.0)
+    assert slow.best == (2, 1) and slow.predicted[(2, 1)] - slow.predicted[(1, 2)] > 0.2
+    # Steps of short prompts are mostly fixed cost: they say nothing of the prompts' speed.
+    assert predict_splits(PROFILE, overheads, load(64, 4.0), SLO, 1, 8, 30).predicted == as_profiled.predicted
+
 def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_half_a_minute_at_least():
     balancer = Node().balancer  # interval 10 s, TPOT SLO 20 ms
     assert balancer.horizon_s(signals(64, 100, 1, 2)) == HORIZON_S  # streams of 2 s

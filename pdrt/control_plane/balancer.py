@@ -33,8 +33,10 @@ worker over their whole lives: a shorter look takes a load that will not
 hold for one that does);
 decode steps as much slower than the simulator's (the profile's step and
 what serving adds to it) as the steps of the decode workers holding
-MIN_STEP_STREAMS streams or more are now, a loaded machine being slower
-than the quiet one it was profiled on. It moves one worker toward the
+MIN_STEP_STREAMS streams or more are now, and prompts as much slower as
+the prefill workers' recent steps of MIN_STEP_PROMPT_TOKENS prompt tokens
+or more (a loaded machine is slower than the quiet one it was profiled on,
+and a shared one drifts). It moves one worker toward the
 best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
@@ -103,6 +105,9 @@ MAX_SLOWDOWN = 4.0  # of decode steps against the simulator's: beyond it, someth
 # A decode worker's steps tell how much slower decode runs than profiled only when it holds this many streams:
 # a step of fewer is mostly its fixed cost, and the time it waited for a core while prompts were computed.
 MIN_STEP_STREAMS = 4
+# Likewise a prefill worker's steps tell how much slower prompts run than profiled only when they computed this
+# many prompt tokens on average: a short prompt's step is mostly fixed cost.
+MIN_STEP_PROMPT_TOKENS = 256
 STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
 HORIZON_S = 30.0  # the prediction's horizon, at least
 PREDICT_NICE = 10  # the predictions' thread's: as a prefill worker's (pdrt/worker_profile.py)
@@ -119,6 +124,7 @@ class Signals:
     prefill: int  # workers of each role now
     decode: int
     decode_steps: tuple[tuple[int, float], ...] = ()  # per decode worker: (streams, recent decode step s)
+    prefill_steps: tuple[tuple[float, float], ...] = ()  # per prefill worker: (prompt tokens a recent step, tokens/s)
     mean_left: float | None = None  # answer tokens an open request is expected to produce still; None: unknown
     held: tuple[int, ...] = ()  # streams held by each decode worker; () spreads decode_streams evenly
 
@@ -142,6 +148,7 @@ class Decision:
     predicted: dict[tuple[int, int], float]  # split -> predicted attainment
     lateness: dict[tuple[int, int], float] = field(default_factory=dict)  # split -> lateness(); {}: not known
     slowdown: float = 1.0  # of decode steps against the simulator's, that the prediction took
+    prefill_slowdown: float = 1.0  # of prompts' steps, likewise
 
 
 def lateness(summary: RateSummary, slo: Slo) -> float:
@@ -164,7 +171,10 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
                          + overheads.decode_seq_s * batch)
               for batch, seconds in signals.decode_steps if batch >= MIN_STEP_STREAMS and seconds]
     slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))) if ratios else 1.0
-    costs = costs.slower(decode=slowdown)
+    prompt_ratios = [tokens / rate / (costs.prefill_s(round(tokens), 0, threads) + overheads.step_overhead_s)
+                     for tokens, rate in signals.prefill_steps if tokens >= MIN_STEP_PROMPT_TOKENS and rate > 0]
+    prefill_slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(prompt_ratios))) if prompt_ratios else 1.0
+    costs = costs.slower(prefill_slowdown, slowdown)
     counts = signals.streams_by_worker()
     workers = signals.prefill + signals.decode
     rate = signals.requests_per_min / 60
@@ -181,7 +191,7 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     current = (signals.prefill, signals.decode)
     # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
     best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
-    return Decision(best, predicted, late, slowdown)
+    return Decision(best, predicted, late, slowdown, prefill_slowdown)
 
 
 def draw(rng: random.Random, signals: Signals, num_streams: int, rate: float, left: float, context: int,
@@ -326,6 +336,7 @@ class Balancer:
             decode_streams=sum(e.load.num_running + e.load.num_waiting for e in decode),
             prefill=len(prefill), decode=len(decode),
             decode_steps=tuple((e.load.num_running, e.load.decode_step_s) for e in decode),
+            prefill_steps=tuple((e.load.prefill_step_tokens, e.load.prefill_tokens_per_s) for e in prefill),
             held=tuple(e.load.num_running + e.load.num_waiting for e in decode))
 
     def due(self, now: float) -> bool:
@@ -367,6 +378,8 @@ class Balancer:
                             for (p, d), a in sorted(predicted.items()))
         if decision.slowdown != 1.0:
             figures += f"; decode steps x{decision.slowdown:.2f} the simulator's"
+        if decision.prefill_slowdown != 1.0:
+            figures += f"; prompts x{decision.prefill_slowdown:.2f} the simulator's"
         if best == current or (gain < MARGIN and not sooner):
             why = f"keep {current[0]}P+{current[1]}D: predicted {figures}"
             action = "keep"

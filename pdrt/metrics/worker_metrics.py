@@ -130,10 +130,14 @@ class WorkerMetrics:
         mean = sum(seconds for seconds, _ in self.recent_steps) / len(self.recent_steps)
         return mean, sum(plain) / len(plain) if plain else 0.0
 
-    def prefill_rate(self) -> float:
-        """Prompt tokens per second of the recent steps that prefilled, their decodes included (0.0: none)."""
+    def prefill_rate(self) -> tuple[float, float]:
+        """Prompt tokens per second of the recent steps that prefilled, their decodes included, and the prompt
+        tokens one of them computed on average ((0.0, 0.0): none)."""
         seconds = sum(s for s, _ in self.recent_prefills)
-        return sum(n for _, n in self.recent_prefills) / seconds if seconds > 0 else 0.0
+        if seconds <= 0:
+            return 0.0, 0.0
+        tokens = sum(n for _, n in self.recent_prefills)
+        return tokens / seconds, tokens / len(self.recent_prefills)
 
     def handoff_sent(self, num_blocks: int) -> None:
         self.handoffs_sent.inc()

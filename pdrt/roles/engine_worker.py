@@ -310,7 +310,7 @@ class EngineWorker(Actor):
         return Load(len(scheduler.waiting), len(scheduler.running), num_held, num_free, blocks.num_blocks,
                     blocks.num_blocks - num_free, waiting_tokens, len(self.drafts),
                     self.engine.num_draft_tokens_ahead, self.engine.num_draft_rollbacks, *self.metrics.step_times(),
-                    self.metrics.prefill_rate())
+                    *self.metrics.prefill_rate())
 
     def load(self) -> Load:
         return self._load
