@@ -5,6 +5,7 @@ prefill-heavy load arrives and `pdrt status` shows the decision."""
 import asyncio
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from pdrt.control_plane.balancer import (
     Decision,
     Signals,
     held_after_change,
+    mix_changed,
     predict_splits,
 )
 from pdrt.control_plane.registry import Registry
@@ -250,6 +252,44 @@ def test_prompts_slower_than_the_profile_make_prefill_workers_worth_more():
     assert slow.best == (2, 1) and slow.predicted[(2, 1)] - slow.predicted[(1, 2)] > 0.2
     # Steps of short prompts are mostly fixed cost: they say nothing of the prompts' speed.
     assert predict_splits(PROFILE, overheads, load(64, 4.0), SLO, 1, 8, 30).predicted == as_profiled.predicted
+
+
+def test_a_prediction_stops_when_the_mix_changes_under_it_and_the_next_one_starts_at_once():
+    node = Node()
+    balancer = node.balancer
+    balancer.profile, balancer.interval_s = PROFILE, 0.4
+    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    balancer.sample(gateway_counters(**counters), now=0.0)
+    # Short prompts and long answers (those that ended used all they asked for) ...
+    counters |= dict(started_requests_total=10, started_prompt_tokens_total=640, started_max_tokens_total=11_000,
+                     requests_total=5, output_tokens_total=5500, max_tokens_total=5500)
+    balancer.sample(gateway_counters(**counters), now=10.0)
+    busy = threading.Event()
+    balancer.predictor.submit(busy.wait, 10)  # the prediction waits its turn, as behind a slow one
+
+    async def shift() -> bool:
+        evaluation = asyncio.create_task(balancer.evaluate())
+        await asyncio.sleep(0.05)
+        # ... then long prompts and short answers start while it is predicted.
+        balancer.sample(gateway_counters(**counters | dict(
+            started_requests_total=20, started_prompt_tokens_total=14_640, started_max_tokens_total=11_160)),
+            now=20.0)
+        await asyncio.sleep(0.3)  # the evaluation looks at the signals every quarter interval
+        busy.set()
+        return await asyncio.wait_for(evaluation, timeout=30)
+
+    assert not asyncio.run(shift())
+    assert node.sent == [] and not balancer.evaluating
+    assert balancer.next_at <= time.monotonic()  # the next evaluation is due at the next tick
+    families = list(balancer.decisions.collect())
+    assert [s.value for f in families for s in f.samples
+            if s.name.endswith("_total") and s.labels.get("action") == "restart"] == [1.0]
+    assert mix_changed(signals(64, 1100, 1, 2), signals(1400, 16, 1, 2))
+    assert not mix_changed(signals(1400, 16, 2, 1), signals(1300, 20, 2, 1))
+    assert predict_splits(PROFILE, PROFILE.serving_overheads(), signals(64, 1100, 1, 2), SLO, 1, 8, 30,
+                          cancelled=lambda: True) is None
+
 
 def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_half_a_minute_at_least():
     balancer = Node().balancer  # interval 10 s, TPOT SLO 20 ms

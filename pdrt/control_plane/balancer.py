@@ -72,6 +72,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,10 @@ MIN_STEP_STREAMS = 4
 # Likewise a prefill worker's steps tell how much slower prompts run than profiled only when they computed this
 # many prompt tokens on average: a short prompt's step is mostly fixed cost.
 MIN_STEP_PROMPT_TOKENS = 256
+# A mix this many times longer or shorter, in prompts or answers, than the one a prediction under way is for makes
+# it moot: it stops, and the next evaluation starts at once (on a busy CPU node a prediction of long streams takes
+# seconds at PREDICT_NICE, and a shift of the mix would wait for it).
+MIX_CHANGE = 2.0
 STREAM_LIFETIMES = 2  # the prediction's horizon, at least, in lifetimes of a mean stream
 HORIZON_S = 30.0  # the prediction's horizon, at least
 PREDICT_NICE = 10  # the predictions' thread's: as a prefill worker's (pdrt/worker_profile.py)
@@ -151,6 +156,13 @@ class Decision:
     prefill_slowdown: float = 1.0  # of prompts' steps, likewise
 
 
+def mix_changed(before: Signals, now: Signals) -> bool:
+    """Whether the requests starting now are of another mix than `before`'s: prompts or answers MIX_CHANGE times
+    as long or as short."""
+    return any(max(a, b) >= MIX_CHANGE * max(1.0, min(a, b))
+               for a, b in ((before.mean_input, now.mean_input), (before.mean_output, now.mean_output)))
+
+
 def lateness(summary: RateSummary, slo: Slo) -> float:
     """How late a run serves: the worse of its TTFT p90 and TPOT p90, each over its SLO (inf: nothing served)."""
     if summary.ttft.p90 is None:
@@ -159,9 +171,11 @@ def lateness(summary: RateSummary, slo: Slo) -> float:
 
 
 def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
-                   horizon_s: float, seed: int = 0) -> Decision:
+                   horizon_s: float, seed: int = 0, cancelled: Callable[[], bool] = lambda: False
+                   ) -> Decision | None:
     """Predicted attainment of every split of the node's split workers under the load `signals` describe: the
-    mean over SAMPLES draws of the arrivals and lengths ahead."""
+    mean over SAMPLES draws of the arrivals and lengths ahead. None when `cancelled()` said so between two
+    simulations."""
     costs = profile.cost_model()
     left = signals.mean_output / 2 if signals.mean_left is None else signals.mean_left
     context = round(signals.mean_input + max(0.0, signals.mean_output - left))  # of a stream held now
@@ -184,6 +198,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
         requests, streams = draw(random.Random(seed + sample), signals, sum(counts), rate, left, context,
                                  horizon_s, profile.max_model_len)
         for (p, d), summaries in runs.items():
+            if cancelled():
+                return None
             summaries.append(simulate(costs, Deployment(prefill=p, decode=d, threads=threads), cores, requests,
                                       options, rate, overheads, held_after_change(streams, counts, d)))
     predicted = {split: statistics.fmean(r.attainment for r in summaries) for split, summaries in runs.items()}
@@ -359,11 +375,26 @@ class Balancer:
         assert self.profile is not None
         self.evaluating = True
         try:
+            cancel = threading.Event()
             predict = functools.partial(predict_splits, self.profile, self.profile.serving_overheads(), signals,
-                                        self.slo, self.threads, self.cores, self.horizon_s(signals))
-            decision = await asyncio.get_running_loop().run_in_executor(self.predictor, predict)
+                                        self.slo, self.threads, self.cores, self.horizon_s(signals),
+                                        cancelled=cancel.is_set)
+            future = asyncio.get_running_loop().run_in_executor(self.predictor, predict)
+            latest = signals
+            while not future.done():
+                await asyncio.wait({future}, timeout=self.interval_s / 4)
+                latest = self.signals() or latest
+                if not future.done() and mix_changed(signals, latest):
+                    cancel.set()
+            decision = future.result()
         finally:
             self.evaluating = False
+        if decision is None:
+            why = f"the mix changed while predicting for {signals.describe()}; predicting again"
+            log.info("balancer decision", action="restart", reason=why, signals=latest.describe())
+            self._record("restart", why)
+            self.next_at = time.monotonic()
+            return False
         return self.act(signals, decision, time.monotonic())
 
     def act(self, signals: Signals, decision: Decision, now: float) -> bool:
