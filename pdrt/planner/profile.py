@@ -262,8 +262,8 @@ class SpeedProbe:
         torch.set_num_threads(threads)
         self.costs, self.threads = profile.cost_model(), threads
         self.prompt = min(self.PROMPT, profile.max_model_len // 2)
-        self.bench = StepBench(profiling_engine(model, loaded if loaded is not None else load_model(model),
-                                                        profile.max_model_len))
+        loaded = loaded if loaded is not None else load_model(model)
+        self.bench = StepBench(profiling_engine(model, loaded, profile.max_model_len))
         self.bench.prefill(16, 0, 1)  # the first forward passes of a process are slow
 
     def factors(self) -> tuple[float, float]:
