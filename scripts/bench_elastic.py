@@ -168,7 +168,8 @@ def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: in
             warm_up(node.address, seed)
             holds = partial(holds_alone, node.address, name, phase, phase_s, seed + 500, lengths, slo)
             rates = rates[:highest_holding(rates, holds) + 1]
-            # The other phase's load at the other split's rate: the premise is that this split fails it.
+            # The prefill-heavy load at the rate found: the premise is that 1P+2D fails it (2P+1D, the
+            # decode-heavy one, below).
             if name == "default":
                 holds_alone(node.address, name, "prefill-heavy", phase_s, seed + 500, lengths, slo, rates[-1])
     node = system_node(workdir / "calibration-2p1d-decode", model, "2p1d", slo)

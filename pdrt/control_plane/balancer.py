@@ -26,18 +26,16 @@ It then predicts, with `pdrt plan`'s simulator and this host's profile
 give that load over the time ahead, the mean over SAMPLES draws of it:
 the queues as they stand, then Poisson arrivals at the measured rate with
 lengths around the measured means, for the longest of HORIZON_S, two
-intervals, and two lifetimes of
-a stream at the TPOT SLO (a queue that a load just past a worker's
-capacity builds grows for tens of seconds, and streams pile up on a decode
-worker over their whole lives: a shorter look takes a load that will not
-hold for one that does);
-decode steps as much slower than the simulator's (the profile's step and
-what serving adds to it) as the steps of the decode workers holding
-MIN_STEP_STREAMS streams or more are now, and prompts as much slower as
-the prefill workers' recent steps of MIN_STEP_PROMPT_TOKENS prompt tokens
-or more (a loaded machine is slower than the quiet one it was profiled on,
-and a shared one drifts). It moves one worker toward the
-best split when all of these hold:
+intervals, and two lifetimes of a stream at the TPOT SLO (a queue that a
+load just past a worker's capacity builds grows for tens of seconds, and
+streams pile up on a decode worker over their whole lives: a shorter look
+takes a load that will not hold for one that does); decode steps as much
+slower than the simulator's (the profile's step and what serving adds to
+it) as the steps of the decode workers holding MIN_STEP_STREAMS streams or
+more are now, and prompts as much slower as the prefill workers' recent
+steps of MIN_STEP_PROMPT_TOKENS prompt tokens or more (a loaded machine is
+slower than the quiet one it was profiled on, and a shared one drifts). It
+moves one worker toward the best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
   or, where the current one is predicted to miss the SLOs for most
