@@ -65,11 +65,17 @@ def prompt_batch_tokens(config: "NodeConfig", role: str) -> int | None:
     return CPU_PROMPT_BATCH if config.engine.device == "cpu" else None
 
 
+def prefill_nice(config: "NodeConfig") -> int:
+    """The niceness this node's prefill workers run at."""
+    nice = config.experimental.prefill_nice
+    return PREFILL_NICE if nice is None else nice
+
+
 def worker_profile(config: "NodeConfig", role: str, num_params: int) -> WorkerProfile:
     """The profile of a worker of `role` whose model has `num_params` parameters, on this node's device."""
     exp = config.experimental
     small = num_params < SMALL_MODEL_PARAMS
-    nice = exp.prefill_nice if exp.prefill_nice is not None else PREFILL_NICE
+    nice = prefill_nice(config)
     borrow = exp.borrow_threads if exp.borrow_threads is not None else not small
     return WorkerProfile(
         role=role,

@@ -1,19 +1,20 @@
 """A prefill:decode balance that follows the load: the balancer against every static split, in one run.
 
-Three workers of one node (a thread each) serve a load at a fixed rate whose mix shifts: prefill-heavy
-(long prompts, short answers), then decode-heavy (short prompts, long answers), then prefill-heavy again,
---phase-s seconds each. The same requests (same arrival times, lengths and seeds) go to each of these in turn,
-each repeat starting with the next:
+Three workers of one node serve a load at a fixed rate whose mix shifts: prefill-heavy (long prompts, short
+answers), then decode-heavy (short prompts, long answers), then prefill-heavy again, --phase-s seconds each.
+Each worker stands for a device of its own: it computes with one thread and borrows no idle worker's (the
+simulator models no lending either). The same requests (same arrival times, lengths and seeds) go to each of
+these in turn, each repeat starting with the next:
 
   * each static split of the three workers: 1 prefill + 2 decode (pdrt's default shape, "default") and
     2 prefill + 1 decode, with the balancer off;
   * the default split with the balancer on ([controller] balance, interval --interval), starting as 1P+2D.
 
-The rate is found first, on this host, unless --rate gives it: the highest of RATE_LADDER at which each
-phase's load is within what the split made for it can serve (2P+1D for the prefill-heavy load, 1P+2D for the
-decode-heavy one; calibrate_rate). A node whose balance follows the load can then serve the whole run; each
-static split serves one kind of phase and is past its capacity in the other (calibration logs whether it is:
-each split's attainment of the other phase's load alone at that rate).
+The rate and the decode-heavy answers' length are found first, on this host, unless --rate and --long-answer
+give them: each phase's load within what the split made for it serves with room to spare (2P+1D for the
+prefill-heavy load, 1P+2D for the decode-heavy one; calibrate). A node whose balance follows the load can then
+serve the whole run; each static split serves one kind of phase and is past its capacity in the other
+(calibration logs whether it is: each split's attainment of the other phase's load alone).
 
 Per system: SLO attainment over the whole run and per phase, TTFT p95, and the role changes it made. The
 balancer reads this host's profile of the model (`pdrt profile`, measured first unless --profile gives one).
@@ -24,10 +25,12 @@ just after each static run (SpeedProbe), and each prediction is made both from t
 from the profile scaled to the host's speed around the run. --repeats runs everything again with other seeds;
 figures are medians.
 
-The model is a random Llama of 7.7 M parameters (`--model wide`, the default: hidden 384, 4 layers), wide
-enough that a step's time is its arithmetic, as with real models. The tiny test model's steps are bound by
-Python: on two cores a second decode worker then adds no decode capacity, only contention, and no split of
-the load favours two decode workers (`--model tiny` shows it).
+The model is a random Llama of 29 M parameters (`--model wider`, the default: hidden 768, 4 layers): its
+decode step costs mostly the reading of its weights while each stream adds a good part of that, as on a GPU,
+and a token costs the decode worker five times what it costs the gateway and the client together. With the
+7.7 M one (`--model wide`) a step is mostly fixed cost and a token costs the decode worker three times what
+it costs them: on two cores a second decode worker then adds little, and 2P+1D holds most decode-heavy loads
+that 1P+2D holds. The tiny test model's steps are bound by Python (`--model tiny`).
 
 Last line: `elastic dynamic_vs_best_static=X dynamic_vs_default=Y ttft_p95_cut=Z flip_ms=W plan_error=V`:
 X and Y ratios of SLO attainment over the whole run, Z the relative cut of TTFT p95 against the default
@@ -44,7 +47,6 @@ import random
 import statistics
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,8 +63,16 @@ from pdrt.testing.node import Node, free_port  # noqa: E402
 
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
 RATE_LADDER = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
+# The decode-heavy answers' mean tokens: calibration picks one (calibrate); with --long-answer, none.
+ANSWER_LADDER = (300, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1400, 1600)
 CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
+# The load offered against the highest that holds: the balancer's changes take seconds, a split at its knee never
+# drains what built up meanwhile, and the host's speed drifts by tens of percent within minutes.
+ROOM = 0.85
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
+# Each worker a device of its own: one thread, none borrowed, prompts not niced below decode steps (they would not
+# share a device).
+DEVICES = {"prefill_threads": 1, "decode_threads": 1, "borrow_threads": False, "prefill_nice": 0}
 DEFAULT_POOL = {"kv_cache_bytes": 0}  # the pool `pdrt up` gives a worker, not the test harness's small one
 
 
@@ -82,15 +92,16 @@ def shape_of(phase: str, rng: random.Random, lengths: tuple[int, int, int, int])
 
 def workload(rate: float, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
              phases: tuple[str, ...] = PHASES) -> list[tuple[float, RequestShape, int]]:
-    """(arrival s, lengths, phase index) of every request: Poisson arrivals at `rate` throughout."""
+    """(arrival s, lengths, phase index) of every request: rate x phase_s requests a phase, at times drawn
+    uniformly over it (Poisson arrivals at `rate` given their number). A phase's count then does not vary with
+    the seed: over 40 s at 1.5 requests/s a Poisson count varies by 13%, and at a knee a tenth more load is tens
+    of points of attainment."""
     rng = random.Random(f"elastic:{seed}")
-    requests, now = [], 0.0
-    while True:
-        now += rng.expovariate(rate)
-        phase = int(now // phase_s)
-        if phase >= len(phases):
-            return requests
-        requests.append((now, shape_of(phases[phase], rng, lengths), phase))
+    requests = []
+    for index, phase in enumerate(phases):
+        for at in sorted(rng.uniform(0, phase_s) for _ in range(round(rate * phase_s))):
+            requests.append((index * phase_s + at, shape_of(phase, rng, lengths), index))
+    return requests
 
 
 async def drive(address: str, requests: list[tuple[float, RequestShape]], slo: Slo, seed: int
@@ -116,7 +127,7 @@ def system_node(workdir: Path, model: str, name: str, slo: Slo, interval_s: floa
         "prefill": {"count": prefill}, "decode": {"count": decode},
         "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
         "controller": controller,
-        "experimental": {"prefill_threads": 1, "decode_threads": 1}}, ready_timeout_s=180)
+        "experimental": DEVICES}, ready_timeout_s=180)
 
 
 def warm_up(address: str, seed: int) -> None:
@@ -152,31 +163,37 @@ def phase_figures(result: dict, kind: str) -> str:
     return ", ".join(f"{a:.0%}" for a in result[key])
 
 
-def calibrate_rate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
-                   lengths: tuple[int, int, int, int]) -> float:
-    """The rate to offer: the highest of RATE_LADDER at which the split made for each phase still attains
-    CALIBRATION_ATTAINMENT of a run of that phase's load alone, as long as a phase: 2P+1D of the prefill-heavy
-    load, 1P+2D of the decode-heavy one (a shorter run ends before long streams have piled up as they do over
-    a phase). The host sets it, measured at the start of the run: a fixed rate swings every system's
-    attainment as the host's speed drifts. Each phase's rate is bisected over the ladder (a few runs rather
-    than one per rung); the lowest rung when none holds. At the rate found, each split then serves the other
-    phase's load alone, and the log says whether it fails it, as the benchmark's premise has it."""
-    rates = RATE_LADDER
-    for name, phase in (("2p1d", "prefill-heavy"), ("default", "decode-heavy")):
-        node = system_node(workdir / f"calibration-{name}", model, name, slo)
-        with node:
-            warm_up(node.address, seed)
-            holds = partial(holds_alone, node.address, name, phase, phase_s, seed + 500, lengths, slo)
-            rates = rates[:highest_holding(rates, holds) + 1]
-            # The prefill-heavy load at the rate found: the premise is that 1P+2D fails it (2P+1D, the
-            # decode-heavy one, below).
-            if name == "default":
-                holds_alone(node.address, name, "prefill-heavy", phase_s, seed + 500, lengths, slo, rates[-1])
+def calibrate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
+              lengths: tuple[int, int, int, int]) -> tuple[float, int]:
+    """The rate to offer and the decode-heavy answers' mean length, found on this host at the start of the run
+    (a fixed load swings every system's attainment as the host's speed drifts): each phase's load within what
+    the split made for it serves with room to spare, and past what the other split serves.
+
+    The rate: the highest rung of RATE_LADDER within ROOM of the highest at which 2P+1D attains
+    CALIBRATION_ATTAINMENT of a run of the prefill-heavy load alone, as long as a phase. The answers: the
+    longest of ANSWER_LADDER within ROOM of the longest at which 1P+2D attains as much of the decode-heavy load
+    alone at that rate. Each is bisected over its ladder (a few runs rather than one per rung). Each split then
+    serves the other phase's load alone, and the log says whether it fails it, as the benchmark's premise has
+    it."""
+    long_prompt, short_answer, short_prompt, _ = lengths
+    node = system_node(workdir / "calibration-2p1d", model, "2p1d", slo)
+    with node:
+        warm_up(node.address, seed)
+        rate = with_room(RATE_LADDER, highest_holding(RATE_LADDER, lambda r: holds_alone(
+            node.address, "2p1d", "prefill-heavy", phase_s, seed + 500, lengths, slo, r)))
+    node = system_node(workdir / "calibration-default", model, "default", slo)
+    with node:
+        warm_up(node.address, seed)
+        longest = highest_holding(ANSWER_LADDER, lambda a: holds_alone(
+            node.address, "default", "decode-heavy", phase_s, seed + 500,
+            (long_prompt, short_answer, short_prompt, a), slo, rate))
+        lengths = (long_prompt, short_answer, short_prompt, round(with_room(ANSWER_LADDER, longest)))
+        holds_alone(node.address, "default", "prefill-heavy", phase_s, seed + 500, lengths, slo, rate)
     node = system_node(workdir / "calibration-2p1d-decode", model, "2p1d", slo)
     with node:
         warm_up(node.address, seed)
-        holds_alone(node.address, "2p1d", "decode-heavy", phase_s, seed + 500, lengths, slo, rates[-1])
-    return rates[-1]
+        holds_alone(node.address, "2p1d", "decode-heavy", phase_s, seed + 500, lengths, slo, rate)
+    return rate, lengths[3]
 
 
 def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
@@ -185,8 +202,14 @@ def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, 
     requests = workload(rate, phase_s, seed, lengths, (phase,))
     records = asyncio.run(drive(address, [(t, s) for t, s, _ in requests], slo, seed))
     attainment = summarize(records, 0.0, slo).attainment
-    log(f"calibration: {rate:g} req/s of the {phase} load, {name} attains {attainment:.0%}")
+    answers = f", answers of ~{lengths[3]} tokens" if phase == "decode-heavy" else ""
+    log(f"calibration: {rate:g} req/s of the {phase} load{answers}, {name} attains {attainment:.0%}")
     return attainment >= CALIBRATION_ATTAINMENT
+
+
+def with_room(ladder: tuple[float, ...], held: int) -> float:
+    """The highest rung of `ladder` within ROOM of its rung `held` (the lowest rung when none is)."""
+    return max((r for r in ladder if r <= ROOM * ladder[held]), default=ladder[0])
 
 
 def highest_holding(rates: tuple[float, ...], holds) -> int:
@@ -208,26 +231,29 @@ def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed:
     prompts and decode steps `speed` times as long as the profile says (and what serving adds to them as long
     as the decode steps)."""
     prefill, decode, _ = SYSTEMS[name]
-    records = simulated_records(profile.cost_model().slower(*speed), Deployment(prefill=prefill, decode=decode),
-                                os.cpu_count() or 2, [(t, s) for t, s, _ in requests], BenchOptions(slo=slo),
+    deployment = Deployment(prefill=prefill, decode=decode, prefill_nice=DEVICES["prefill_nice"])
+    records = simulated_records(profile.cost_model().slower(*speed), deployment, os.cpu_count() or 2,
+                                [(t, s) for t, s, _ in requests], BenchOptions(slo=slo),
                                 profile.serving_overheads().slower(speed[1]))
     return summarize(records, 0.0, slo).attainment, phase_attainment(records, requests, slo)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="wide", help="checkpoint directory, 'wide' (default) or 'tiny'")
+    parser.add_argument("--model", default="wider", help="checkpoint directory, 'wider' (default), 'wide' or "
+                        "'tiny'")
     parser.add_argument("--profile", help="a saved profile of the model on this host (default: measure one)")
     parser.add_argument("--rate", type=float, help="requests/s throughout (default: found on this host, see "
                         "calibrate_rate)")
     parser.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase (default 40)")
     parser.add_argument("--interval", type=float, default=3.0, help="the balancer's interval, s (default 3)")
-    parser.add_argument("--ttft-slo", type=float, default=0.5)
-    parser.add_argument("--tpot-slo", type=float, default=0.008)
+    parser.add_argument("--ttft-slo", type=float, default=1.5)
+    parser.add_argument("--tpot-slo", type=float, default=0.012)
     parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
     parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
     parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
-    parser.add_argument("--long-answer", type=int, default=1100, help="decode-heavy answers' mean tokens")
+    parser.add_argument("--long-answer", type=int, help="decode-heavy answers' mean tokens (default: found on "
+                        "this host with the rate, see calibrate)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=100, help="of the first repeat; the next ones count up")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
@@ -242,10 +268,14 @@ def main() -> None:
     profile.save(default_profile_path(model))
     slo = Slo(args.ttft_slo, args.tpot_slo)
     probe = SpeedProbe(model, profile)
-    if args.rate is None:
-        args.rate = calibrate_rate(workdir, model, slo, args.phase_s, args.seed, lengths)
+    if args.rate is None or args.long_answer is None:
+        if args.rate is not None or args.long_answer is not None:
+            parser.error("--rate and --long-answer go together: each is calibrated for the other")
+        args.rate, args.long_answer = calibrate(workdir, model, slo, args.phase_s, args.seed, lengths)
+        lengths = lengths[:3] + (args.long_answer,)
     print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
-          f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; SLOs TTFT {slo.ttft_s * 1e3:g} ms, TPOT "
+          f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; prompts/answers {lengths[0]}/{lengths[1]} then "
+          f"{lengths[2]}/{lengths[3]} tokens; SLOs TTFT {slo.ttft_s * 1e3:g} ms, TPOT "
           f"{slo.tpot_s * 1e3:g} ms; balancer interval {args.interval:g} s", flush=True)
 
     results: dict[str, list[dict]] = {n: [] for n in names}

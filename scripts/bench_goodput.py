@@ -404,6 +404,8 @@ def parse_settings(items: list[str], parser: argparse.ArgumentParser) -> dict[st
 def resolve_model(arg: str | None, workdir: Path) -> tuple[str, str]:
     if arg == "wide":
         return str(build_wide_model(workdir / "wide-llama")), "wide-llama (random weights, 7.7 M parameters)"
+    if arg == "wider":
+        return str(build_wide_model(workdir / "wider-llama", 768)), "wider-llama (random weights, 29 M parameters)"
     if arg and arg != "tiny":
         return arg, Path(arg).name
     if arg is None and is_fetched():

@@ -113,6 +113,8 @@ def test_a_prefill_worker_yields_contended_cores_as_its_niceness_says():
     contended = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=1).run(requests)[1]
     assert alone.first_token == pytest.approx(0.01 + 11e-3)
     assert contended.first_token - 0.01 > 5 * 11e-3  # at a tenth of the weight until the stream ends
+    even = Simulation(COSTS, Deployment(prefill=1, decode=1, prefill_nice=0), cores=1).run(requests)[1]
+    assert even.first_token - 0.01 == pytest.approx(2 * 11e-3, rel=0.1)  # an even share: half the core
 
 
 def test_a_prompt_crawling_at_niceness_10_takes_the_cpu_back_once_its_first_token_is_late():

@@ -87,6 +87,7 @@ from pdrt.metrics.exposition import total
 from pdrt.planner.predict import simulate
 from pdrt.planner.profile import Profile
 from pdrt.planner.simulator import Deployment, Overheads
+from pdrt.worker_profile import PREFILL_NICE
 
 log = structlog.get_logger(__name__)
 
@@ -169,8 +170,8 @@ def lateness(summary: RateSummary, slo: Slo) -> float:
 
 
 def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
-                   horizon_s: float, seed: int = 0, cancelled: Callable[[], bool] = lambda: False
-                   ) -> Decision | None:
+                   horizon_s: float, seed: int = 0, cancelled: Callable[[], bool] = lambda: False,
+                   prefill_nice: int = PREFILL_NICE) -> Decision | None:
     """Predicted attainment of every split of the node's split workers under the load `signals` describe: the
     mean over SAMPLES draws of the arrivals and lengths ahead. None when `cancelled()` said so between two
     simulations."""
@@ -198,7 +199,8 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
         for (p, d), summaries in runs.items():
             if cancelled():
                 return None
-            summaries.append(simulate(costs, Deployment(prefill=p, decode=d, threads=threads), cores, requests,
+            deployment = Deployment(prefill=p, decode=d, threads=threads, prefill_nice=prefill_nice)
+            summaries.append(simulate(costs, deployment, cores, requests,
                                       options, rate, overheads, held_after_change(streams, counts, d)))
     predicted = {split: statistics.fmean(r.attainment for r in summaries) for split, summaries in runs.items()}
     late = {split: statistics.fmean(lateness(r, slo) for r in summaries) for split, summaries in runs.items()}
@@ -262,10 +264,11 @@ def _yield_cpu() -> None:
 
 class Balancer:
     def __init__(self, registry: Registry, roles: RoleChanges, enabled: bool, interval_s: float, slo: Slo,
-                 threads: int, cores: int, profile_path: Path, metrics: CollectorRegistry) -> None:
+                 threads: int, cores: int, profile_path: Path, metrics: CollectorRegistry,
+                 prefill_nice: int = PREFILL_NICE) -> None:
         self.registry, self.roles = registry, roles
         self.enabled, self.interval_s, self.slo = enabled, interval_s, slo
-        self.threads, self.cores = threads, cores
+        self.threads, self.cores, self.prefill_nice = threads, cores, prefill_nice
         self.profile_path = profile_path
         self.profile: Profile | None = None
         self.samples: deque[tuple[float, dict[str, float]]] = deque()
@@ -376,7 +379,7 @@ class Balancer:
             cancel = threading.Event()
             predict = functools.partial(predict_splits, self.profile, self.profile.serving_overheads(), signals,
                                         self.slo, self.threads, self.cores, self.horizon_s(signals),
-                                        cancelled=cancel.is_set)
+                                        cancelled=cancel.is_set, prefill_nice=self.prefill_nice)
             future = asyncio.get_running_loop().run_in_executor(self.predictor, predict)
             latest = signals
             while not future.done():

@@ -74,6 +74,7 @@ from pdrt.wire import (
     encode,
     internal_decoder,
 )
+from pdrt.worker_profile import prefill_nice
 
 from .registry import Entry, Registry
 
@@ -100,7 +101,7 @@ class Controller(Actor):
         self.balancer = Balancer(self.registry, self.roles, c.balance, c.balance_interval_s,
                                  Slo(config.gateway.ttft_slo_s, config.gateway.tpot_slo_s),
                                  config.threads_for("decode"), os.cpu_count() or 1, default_profile_path(config.model),
-                                 self.metrics.registry)
+                                 self.metrics.registry, prefill_nice(config))
         self.balancing: asyncio.Task | None = None
         self.streams = StreamBalance(self.registry, self._send, lambda: set(self.roles.pending), c.balance,
                                      config.gateway.tpot_slo_s, self.metrics.registry)

@@ -27,11 +27,11 @@ What it models, as pdrt runs (docs/architecture.md):
   its threads keep busy (CostModel.parallelism), the gateway and the
   client one each; a worker of several threads short of its cores runs at
   one thread's pace at most, its threads waiting for each other. A
-  prefill worker runs at niceness 10 (a tenth of the others' weight while
-  they contend), and with a model too small for its steps to be
-  arithmetic, only while its oldest prompt has waited less than a quarter
-  of the TTFT SLO to start and half of it for its first token
-  (pdrt/worker_profile.py).
+  prefill worker runs at its niceness (10 unless configured: a tenth of the
+  others' weight while they contend), and with a model too small for its
+  steps to be arithmetic, only while its oldest prompt has waited less
+  than a quarter of the TTFT SLO to start and half of it for its first
+  token (pdrt/worker_profile.py).
 * a chat turn whose conversation's previous turn has finished finds that
   turn's prompt and answer in the prefix cache;
 * a run may start with streams already on the decode workers (the
@@ -50,9 +50,9 @@ from dataclasses import dataclass, field, fields
 
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
-from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, SMALL_MODEL_PARAMS
+from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, PREFILL_NICE, SMALL_MODEL_PARAMS
 
-NICE_WEIGHT = 110 / 1024  # the kernel's weight of niceness 10 against 0
+NICE_STEP = 1.25  # the kernel's weight of a process falls this much for each step of niceness
 
 BLOCK = 16
 EPS = 1e-12
@@ -68,6 +68,7 @@ class Deployment:
     threads: int = 1  # per worker
     chunk: int = 512  # a prompt's tokens per step in a colocated worker
     step_tokens: int = 2048
+    prefill_nice: int = PREFILL_NICE  # the prefill workers' niceness ([experimental] prefill_nice)
 
     def describe(self) -> str:
         if self.colocated:
@@ -140,11 +141,13 @@ class Simulation:
                         + [_Worker("colocated", d.threads) for _ in range(d.colocated)])
         if not self.workers or (d.prefill and not d.decode) or (d.decode and not d.prefill):
             raise ValueError(f"{d.describe()} cannot serve requests")
+        self.nice_weight = NICE_STEP ** -d.prefill_nice  # a prefill worker's weight against the others'
         for w in self.workers:
             w.cores = model.parallelism(w.threads)
-            w.weight = NICE_WEIGHT if w.kind == "prefill" else 1.0
-        # A small model's prefill worker takes its CPU back while a prompt has waited this long (CatchUp).
-        small = model.num_params < SMALL_MODEL_PARAMS
+            w.weight = self.nice_weight if w.kind == "prefill" else 1.0
+        # A small model's prefill worker, when niced, takes its CPU back while a prompt has waited this long
+        # (CatchUp).
+        small = model.num_params < SMALL_MODEL_PARAMS and d.prefill_nice > 0
         self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if small else None
         self.late_s = CATCH_UP_LATE * ttft_slo_s if small else None  # ... or has been here this long, started or not
         self.gateway, self.client = _Worker("gateway", 1), _Worker("client", 1)
@@ -196,7 +199,7 @@ class Simulation:
                 if waited >= self.catch_up_s:
                     w.weight = 1.0
                 elif waited < self.catch_up_s / 2:
-                    w.weight = NICE_WEIGHT
+                    w.weight = self.nice_weight
             if not w.queue:
                 return
             req = w.queue.popleft()
