@@ -167,7 +167,7 @@ def calibrate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
               lengths: tuple[int, int, int, int]) -> tuple[float, int]:
     """The rate to offer and the decode-heavy answers' mean length, found on this host at the start of the run
     (a fixed load swings every system's attainment as the host's speed drifts): each phase's load within what
-    the split made for it serves with room to spare, and past what the other split serves.
+    the split made for it serves, with room to spare.
 
     The rate: the highest rung of RATE_LADDER within ROOM of the highest at which 2P+1D attains
     CALIBRATION_ATTAINMENT of a run of the prefill-heavy load alone, as long as a phase. The answers: the
