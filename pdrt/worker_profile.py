@@ -71,6 +71,12 @@ def prefill_nice(config: "NodeConfig") -> int:
     return PREFILL_NICE if nice is None else nice
 
 
+def catches_up(num_params: int, nice: int) -> bool:
+    """Whether a prefill worker at niceness `nice` of a model of `num_params` parameters yields the CPU only while
+    its prompts are on time (CatchUp) rather than throughout."""
+    return num_params < SMALL_MODEL_PARAMS and nice > 0
+
+
 def worker_profile(config: "NodeConfig", role: str, num_params: int) -> WorkerProfile:
     """The profile of a worker of `role` whose model has `num_params` parameters, on this node's device."""
     exp = config.experimental
@@ -81,7 +87,7 @@ def worker_profile(config: "NodeConfig", role: str, num_params: int) -> WorkerPr
         role=role,
         threads=config.threads_for(role),
         nice=nice if role == "prefill" else 0,
-        catch_up_wait=CATCH_UP_WAIT if role == "prefill" and small and nice > 0 else None,
+        catch_up_wait=CATCH_UP_WAIT if role == "prefill" and catches_up(num_params, nice) else None,
         borrow_threads=role == "decode" and config.engine.device == "cpu" and borrow,
         prompt_batch_tokens=prompt_batch_tokens(config, role),
     )

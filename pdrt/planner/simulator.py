@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, fields
 
 from pdrt.bench.workloads import RequestShape
 from pdrt.planner.cost_model import CostModel
-from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, PREFILL_NICE, SMALL_MODEL_PARAMS
+from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, PREFILL_NICE, catches_up
 
 NICE_STEP = 1.25  # the kernel's weight of a process falls this much for each step of niceness
 
@@ -145,11 +145,10 @@ class Simulation:
         for w in self.workers:
             w.cores = model.parallelism(w.threads)
             w.weight = self.nice_weight if w.kind == "prefill" else 1.0
-        # A small model's prefill worker, when niced, takes its CPU back while a prompt has waited this long
-        # (CatchUp).
-        small = model.num_params < SMALL_MODEL_PARAMS and d.prefill_nice > 0
-        self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if small else None
-        self.late_s = CATCH_UP_LATE * ttft_slo_s if small else None  # ... or has been here this long, started or not
+        # A prefill worker that catches up takes its CPU back while a prompt has waited this long (CatchUp).
+        catching_up = catches_up(model.num_params, d.prefill_nice)
+        self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if catching_up else None
+        self.late_s = CATCH_UP_LATE * ttft_slo_s if catching_up else None  # ... or has been here this long
         self.gateway, self.client = _Worker("gateway", 1), _Worker("client", 1)
         self.frontends = [self.gateway, self.client]
         self.now = 0.0
