@@ -220,6 +220,7 @@ class Load(msgspec.Struct, array_like=True, omit_defaults=True):
     # them it has begun, which it can no longer give back (`Withdraw`).
     first_token_work: dict[str, int] = msgspec.field(default_factory=dict)
     prefilling: list[str] = msgspec.field(default_factory=list)
+    num_tokens_left: int = 0  # output tokens its sequences may still produce (what their max_tokens leave)
 
 
 class KVSourceDescriptor(msgspec.Struct, array_like=True, gc=False):

@@ -1,7 +1,8 @@
 """A prefill:decode balance that follows the load: the balancer against every static split, in one run.
 
 Three workers of one node serve a load at a fixed rate whose mix shifts: prefill-heavy (long prompts, short
-answers), then decode-heavy (short prompts, long answers), then prefill-heavy again, --phase-s seconds each.
+answers), then decode-heavy (short prompts, long answers), then prefill-heavy again, --phase-s seconds each,
+one request in each 1/rate seconds (workload).
 Each worker stands for a device of its own: it computes with one thread and borrows no idle worker's (the
 simulator models no lending either). The same requests (same arrival times, lengths and seeds) go to each of
 these in turn, each repeat starting with the next:
@@ -11,10 +12,10 @@ these in turn, each repeat starting with the next:
   * the default split with the balancer on ([controller] balance, interval --interval), starting as 1P+2D.
 
 The rate and the decode-heavy answers' length are found first, on this host, unless --rate and --long-answer
-give them: each phase's load within what the split made for it serves with room to spare (2P+1D for the
-prefill-heavy load, 1P+2D for the decode-heavy one; calibrate). A node whose balance follows the load can then
-serve the whole run; each static split serves one kind of phase and is past its capacity in the other
-(calibration logs whether it is: each split's attainment of the other phase's load alone).
+give them: each phase's load midway between what the split made for it serves (2P+1D for the prefill-heavy
+load, 1P+2D for the decode-heavy one) and what the other split serves (calibrate). A node whose balance follows
+the load can then serve the whole run; each static split serves one kind of phase and is past its capacity in
+the other (calibration logs whether it is: each split's attainment of the other phase's load alone).
 
 Per system: SLO attainment over the whole run and per phase, TTFT p95, and the role changes it made. The
 balancer reads this host's profile of the model (`pdrt profile`, measured first unless --profile gives one).
@@ -60,19 +61,29 @@ from pdrt.planner.predict import simulated_records  # noqa: E402
 from pdrt.planner.profile import Profile, SpeedProbe, default_profile_path, profile_model  # noqa: E402
 from pdrt.planner.simulator import Deployment  # noqa: E402
 from pdrt.testing.node import Node, free_port  # noqa: E402
+from pdrt.worker_profile import PREFILL_NICE  # noqa: E402
 
 PHASES = ("prefill-heavy", "decode-heavy", "prefill-heavy")
-RATE_LADDER = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
+# The rates calibration tries (calibrate), in prompts a second that one worker computes alone, each taking the
+# profile's time of a prefill-heavy prompt: a split's prefill workers serve fewer than one each, queueing within
+# the TTFT SLO.
+RATE_LADDER = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6, 1.8, 2.0)
 # The decode-heavy answers' mean tokens: calibration picks one (calibrate); with --long-answer, none.
-ANSWER_LADDER = (300, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1400, 1600)
+ANSWER_LADDER = (100, 150, 200, 250, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600)
+# The SLOs, unless given: this many times what the profile says a request takes alone on this host, its prompt
+# (TTFT: a prefill-heavy one) or a decode step of one stream with what serving adds to it (TPOT); as DistServe
+# scales its SLOs. Hosts differ in speed several times over, and so the loads that a split holds within an SLO.
+SLO_SCALE = 2.5
 CALIBRATION_ATTAINMENT = 0.9  # the split made for a phase holds its load
-# The load offered against the highest that holds: the balancer's changes take seconds, a split at its knee never
-# drains what built up meanwhile, and the host's speed drifts by tens of percent within minutes.
-ROOM = 0.85
 SYSTEMS = {"default": (1, 2, False), "2p1d": (2, 1, False), "balancer": (1, 2, True)}
-# Each worker a device of its own: one thread, none borrowed, prompts not niced below decode steps (they would not
-# share a device).
-DEVICES = {"prefill_threads": 1, "decode_threads": 1, "borrow_threads": False, "prefill_nice": 0}
+# Each worker a device of its own: one thread, none borrowed. Three workers share two cores, which three devices
+# would not: prompts run niced below decode steps, so that a decode step never waits for a core behind a prompt.
+DEVICES = {"prefill_threads": 1, "decode_threads": 1, "borrow_threads": False, "prefill_nice": PREFILL_NICE}
+# Prefill workers prefill and decode workers decode: no prompt is prefilled on a decode worker (pdrt's conditional
+# disaggregation, pdrt/roles/local_prefill.py, which the simulator does not model). With it, 1P+2D's idle decode
+# workers take long prompts when the prefill worker falls behind, and 1P+2D holds what 2P+1D holds of the
+# prefill-heavy load: the balance of roles is then not what decides it.
+ROLES_KEPT = {"local_prefill_max_tokens": 0}
 DEFAULT_POOL = {"kv_cache_bytes": 0}  # the pool `pdrt up` gives a worker, not the test harness's small one
 
 
@@ -92,14 +103,17 @@ def shape_of(phase: str, rng: random.Random, lengths: tuple[int, int, int, int])
 
 def workload(rate: float, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
              phases: tuple[str, ...] = PHASES) -> list[tuple[float, RequestShape, int]]:
-    """(arrival s, lengths, phase index) of every request: rate x phase_s requests a phase, at times drawn
-    uniformly over it (Poisson arrivals at `rate` given their number). A phase's count then does not vary with
-    the seed: over 40 s at 1.5 requests/s a Poisson count varies by 13%, and at a knee a tenth more load is tens
-    of points of attainment."""
+    """(arrival s, lengths, phase index) of every request: rate x phase_s requests a phase, one in each slot of
+    1/rate seconds at a uniform time within it. A rate then means a load: Poisson arrivals over a phase of a few
+    dozen requests bunch differently with every seed, and a bunch of long prompts past two prefill workers' room
+    decides a run's attainment more than the split does (runs of 22 requests attained 86% and 100% of
+    one rate with two seeds)."""
     rng = random.Random(f"elastic:{seed}")
     requests = []
     for index, phase in enumerate(phases):
-        for at in sorted(rng.uniform(0, phase_s) for _ in range(round(rate * phase_s))):
+        count = round(rate * phase_s)
+        for slot in range(count):
+            at = (slot + rng.random()) * phase_s / count
             requests.append((index * phase_s + at, shape_of(phase, rng, lengths), index))
     return requests
 
@@ -127,7 +141,7 @@ def system_node(workdir: Path, model: str, name: str, slo: Slo, interval_s: floa
         "prefill": {"count": prefill}, "decode": {"count": decode},
         "gateway": {"ttft_slo_s": slo.ttft_s, "tpot_slo_s": slo.tpot_s, "http_port": 0},
         "controller": controller,
-        "experimental": DEVICES}, ready_timeout_s=180)
+        "experimental": DEVICES | ROLES_KEPT}, ready_timeout_s=180)
 
 
 def warm_up(address: str, seed: int) -> None:
@@ -164,36 +178,63 @@ def phase_figures(result: dict, kind: str) -> str:
 
 
 def calibrate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
-              lengths: tuple[int, int, int, int]) -> tuple[float, int]:
+              lengths: tuple[int, int, int, int], rates: tuple[float, ...]) -> tuple[float, int]:
     """The rate to offer and the decode-heavy answers' mean length, found on this host at the start of the run
-    (a fixed load swings every system's attainment as the host's speed drifts): each phase's load within what
-    the split made for it serves, with room to spare.
+    (a fixed load swings every system's attainment as the host's speed drifts): each phase's load between what
+    the split made for it serves and what the other split serves, so that the one holds it with room and the
+    other fails it, as the benchmark's premise has it.
 
-    The rate: the highest rung of RATE_LADDER within ROOM of the highest at which 2P+1D attains
-    CALIBRATION_ATTAINMENT of a run of the prefill-heavy load alone, as long as a phase. The answers: the
-    longest of ANSWER_LADDER within ROOM of the longest at which 1P+2D attains as much of the decode-heavy load
-    alone at that rate. Each is bisected over its ladder (a few runs rather than one per rung). Each split then
-    serves the other phase's load alone, and the log says whether it fails it, as the benchmark's premise has
-    it."""
+    The rate: the middle rung of `rates` (ascending, requests/s) among those at which 2P+1D attains
+    CALIBRATION_ATTAINMENT of a run of the prefill-heavy load alone, as long as a phase, and 1P+2D does not. The
+    answers: likewise the middle rung of ANSWER_LADDER among those of the decode-heavy load at that rate that
+    1P+2D holds and 2P+1D does not. Each limit is bisected over its ladder (a few runs rather than one per rung).
+    The log says each split's attainment of the other phase's load."""
     long_prompt, short_answer, short_prompt, _ = lengths
-    node = system_node(workdir / "calibration-2p1d", model, "2p1d", slo)
-    with node:
+    seen: dict[tuple, bool] = {}  # (split, phase, rate, answers) -> held
+
+    def holds(address: str, name: str, phase: str, rate: float, answer: float) -> bool:
+        key = (name, phase, rate, round(answer))
+        if key not in seen:  # each run's prompts new to the node: a prefix cached by an earlier one costs nothing
+            seen[key] = holds_alone(address, name, phase, phase_s, seed + 500 + len(seen),
+                                    (long_prompt, short_answer, short_prompt, round(answer)), slo, rate)
+        return seen[key]
+
+    def limit(name: str, phase: str, ladder: tuple[float, ...], held) -> int:
+        index = highest_holding(ladder, held)
+        log(f"calibration: {name} holds the {phase} load up to {ladder[index]:g}" if index >= 0 else
+            f"calibration: {name} holds none of the {phase} loads tried")
+        return index
+
+    answer = ANSWER_LADDER[0]  # the prefill-heavy runs do not read it
+    with system_node(workdir / "calibration-2p1d", model, "2p1d", slo) as node:
         warm_up(node.address, seed)
-        rate = with_room(RATE_LADDER, highest_holding(RATE_LADDER, lambda r: holds_alone(
-            node.address, "2p1d", "prefill-heavy", phase_s, seed + 500, lengths, slo, r)))
-    node = system_node(workdir / "calibration-default", model, "default", slo)
-    with node:
+        top = limit("2p1d", "prefill-heavy", rates,
+                    lambda r: holds(node.address, "2p1d", "prefill-heavy", r, answer))
+    with system_node(workdir / "calibration-default", model, "default", slo) as node:
         warm_up(node.address, seed)
-        longest = highest_holding(ANSWER_LADDER, lambda a: holds_alone(
-            node.address, "default", "decode-heavy", phase_s, seed + 500,
-            (long_prompt, short_answer, short_prompt, a), slo, rate))
-        lengths = (long_prompt, short_answer, short_prompt, round(with_room(ANSWER_LADDER, longest)))
-        holds_alone(node.address, "default", "prefill-heavy", phase_s, seed + 500, lengths, slo, rate)
-    node = system_node(workdir / "calibration-2p1d-decode", model, "2p1d", slo)
-    with node:
+        low = limit("default", "prefill-heavy", rates[:top + 1],
+                    lambda r: holds(node.address, "default", "prefill-heavy", r, answer))
+        rate = rates[between(low, top)]
+        holds(node.address, "default", "prefill-heavy", rate, answer)  # the premise, logged
+        longest = limit("default", "decode-heavy", ANSWER_LADDER,
+                        lambda a: holds(node.address, "default", "decode-heavy", rate, a))
+    with system_node(workdir / "calibration-2p1d-decode", model, "2p1d", slo) as node:
         warm_up(node.address, seed)
-        holds_alone(node.address, "2p1d", "decode-heavy", phase_s, seed + 500, lengths, slo, rate)
-    return rate, lengths[3]
+        shortest = limit("2p1d", "decode-heavy", ANSWER_LADDER[:longest + 1],
+                         lambda a: holds(node.address, "2p1d", "decode-heavy", rate, a))
+        answer = ANSWER_LADDER[between(shortest, longest)]
+        holds(node.address, "2p1d", "decode-heavy", rate, answer)  # the premise, logged
+    for phase, failed_above, held in (("prefill-heavy", low, top), ("decode-heavy", shortest, longest)):
+        if failed_above >= held:
+            log(f"calibration: no {phase} load here that the split made for it holds and the other fails: the "
+                "premise does not hold on this host now")
+    return rate, answer
+
+
+def between(failed_above: int, held: int) -> int:
+    """The index of the middle rung of those above rung `failed_above` up to rung `held` (the lower one of two
+    in the middle: the one made for it holds it with the more room); `held` itself when there is none."""
+    return max(0, (failed_above + 1 + held) // 2) if held > failed_above else max(0, held)
 
 
 def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
@@ -207,14 +248,9 @@ def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, 
     return attainment >= CALIBRATION_ATTAINMENT
 
 
-def with_room(ladder: tuple[float, ...], held: int) -> float:
-    """The highest rung of `ladder` within ROOM of its rung `held` (the lowest rung when none is)."""
-    return max((r for r in ladder if r <= ROOM * ladder[held]), default=ladder[0])
-
-
 def highest_holding(rates: tuple[float, ...], holds) -> int:
     """The index of the highest of the ascending `rates` for which `holds(rate)`, found by bisection (a rate
-    that holds is taken to mean every lower one does); 0 when none holds."""
+    that holds is taken to mean every lower one does); -1 when none holds."""
     held, failed = -1, len(rates)
     while failed - held > 1:
         middle = (held + failed) // 2
@@ -222,7 +258,18 @@ def highest_holding(rates: tuple[float, ...], holds) -> int:
             held = middle
         else:
             failed = middle
-    return max(held, 0)
+    return held
+
+
+def host_slo(profile: Profile, lengths: tuple[int, int, int, int], ttft_s: float | None, tpot_s: float | None
+             ) -> Slo:
+    """The SLOs given, or SLO_SCALE times what a request takes alone on this host by the profile: a prefill-heavy
+    prompt (TTFT), a decode step of one decode-heavy stream with what serving adds to it (TPOT)."""
+    costs, overheads = profile.cost_model(), profile.serving_overheads()
+    prompt_s = costs.prefill_s(lengths[0], 0, DEVICES["prefill_threads"])
+    step_s = (costs.decode_step_s(1, lengths[2], DEVICES["decode_threads"]) + overheads.step_overhead_s
+              + overheads.decode_seq_s)
+    return Slo(ttft_s or round(SLO_SCALE * prompt_s, 2), tpot_s or round(SLO_SCALE * step_s, 4))
 
 
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed: tuple[float, float] = (1.0, 1.0)
@@ -244,11 +291,11 @@ def main() -> None:
                         "'tiny'")
     parser.add_argument("--profile", help="a saved profile of the model on this host (default: measure one)")
     parser.add_argument("--rate", type=float, help="requests/s throughout (default: found on this host, see "
-                        "calibrate_rate)")
-    parser.add_argument("--phase-s", type=float, default=40.0, help="seconds of each phase (default 40)")
+                        "calibrate)")
+    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase (default 60)")
     parser.add_argument("--interval", type=float, default=3.0, help="the balancer's interval, s (default 3)")
-    parser.add_argument("--ttft-slo", type=float, default=1.5)
-    parser.add_argument("--tpot-slo", type=float, default=0.012)
+    parser.add_argument("--ttft-slo", type=float, help="s (default: from the profile, see SLO_SCALE)")
+    parser.add_argument("--tpot-slo", type=float, help="s (default: from the profile, see SLO_SCALE)")
     parser.add_argument("--long-prompt", type=int, default=1400, help="prefill-heavy prompts' mean tokens")
     parser.add_argument("--short-answer", type=int, default=16, help="prefill-heavy answers' mean tokens")
     parser.add_argument("--short-prompt", type=int, default=64, help="decode-heavy prompts' mean tokens")
@@ -266,12 +313,14 @@ def main() -> None:
     model, model_name = resolve_model(args.model, workdir)
     profile = Profile.load(Path(args.profile)) if args.profile else profile_model(model, log=log)
     profile.save(default_profile_path(model))
-    slo = Slo(args.ttft_slo, args.tpot_slo)
+    slo = host_slo(profile, lengths, args.ttft_slo, args.tpot_slo)
     probe = SpeedProbe(model, profile)
     if args.rate is None or args.long_answer is None:
         if args.rate is not None or args.long_answer is not None:
             parser.error("--rate and --long-answer go together: each is calibrated for the other")
-        args.rate, args.long_answer = calibrate(workdir, model, slo, args.phase_s, args.seed, lengths)
+        prompt_s = profile.cost_model().prefill_s(lengths[0], 0, DEVICES["prefill_threads"])
+        rates = tuple(round(r / prompt_s, 3) for r in RATE_LADDER)
+        args.rate, args.long_answer = calibrate(workdir, model, slo, args.phase_s, args.seed, lengths, rates)
         lengths = lengths[:3] + (args.long_answer,)
     print(f"bench_elastic: model {model_name}; {os.cpu_count()} cores; {args.rate:g} req/s; phases "
           f"{' -> '.join(PHASES)}, {args.phase_s:g} s each; prompts/answers {lengths[0]}/{lengths[1]} then "

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from pdrt.control_plane.balancer import (
     HORIZON_S,
     LARGE_GAIN,
     MARGIN,
+    MAX_WINDOW_S,
     MIN_REQUESTS,
     PREDICT_NICE,
     SAMPLES,
@@ -95,6 +97,14 @@ def test_a_change_waits_for_a_second_evaluation_then_moves_the_least_busy_worker
     assert node.balancer.act(prefill_heavy(node), decision((2, 1)), now=110.0)
     assert node.sent == [(b"decode-1", ChangeRole("prefill", node.sent[0][1].reason))]
     assert node.registry.entries["decode-1"].role == "prefill"
+
+
+def test_the_decode_worker_that_turns_to_prefill_is_the_one_with_the_fewest_tokens_left_to_produce():
+    node = Node()
+    node.registry.entries["decode-0"].load.num_running, node.registry.entries["decode-0"].load.num_tokens_left = 3, 90
+    node.registry.entries["decode-1"].load.num_running, node.registry.entries["decode-1"].load.num_tokens_left = 1, 900
+    assert node.balancer.act(prefill_heavy(node), decision((2, 1), gain=LARGE_GAIN + 0.05), now=100.0)
+    assert [who for who, _ in node.sent] == [b"decode-0"]
 
 
 def test_a_large_predicted_gain_is_acted_on_at_once():
@@ -325,7 +335,9 @@ def test_the_answer_length_is_read_ahead_from_what_requests_ask_for_at_the_share
 
 def test_streams_held_stay_on_their_workers_through_a_change_and_those_of_a_leaving_worker_go_to_the_fewest():
     streams = [(100, 50)] * 40
-    assert [len(s) for s in held_after_change(streams, [10, 30], 3)] == [30, 10, 0]  # a new worker starts empty
+    assert [len(s) for s in held_after_change(streams, [10, 30], 3)] == [15, 10, 15]  # the crowded one sheds half
+    assert [len(s) for s in held_after_change(streams[:1], [1], 2)] == [1, 0]  # too few to move
+    assert [len(s) for s in held_after_change([], [0], 2)] == [0, 0]
     assert [len(s) for s in held_after_change(streams, [10, 30], 2)] == [30, 10]
     assert [len(s) for s in held_after_change(streams, [25, 3, 12], 2)] == [25, 15]  # the least busy one leaves
 
@@ -354,3 +366,61 @@ def test_lengths_come_from_the_last_interval_when_enough_requests_started_in_it(
     got = balancer.signals()
     assert got.mean_input == 64.0 and got.mean_output == 1100.0
     assert got.requests_per_min == 60.0  # the rate over the whole window
+
+
+def test_the_newest_requests_of_another_mix_are_read_at_once_and_evaluated_before_the_interval_is_up():
+    balancer = Node().balancer  # interval 10 s
+    balancer.profile = PROFILE
+    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    balancer.sample(gateway_counters(**counters), now=0.0)
+    # Long prompts, short answers (all used) for ten seconds: evaluated.
+    counters |= dict(started_requests_total=10, started_prompt_tokens_total=14_000, started_max_tokens_total=160,
+                     requests_total=10, output_tokens_total=160, max_tokens_total=160)
+    balancer.sample(gateway_counters(**counters), now=10.0)
+    balancer.evaluated, balancer.next_at = balancer.signals(), 20.0
+    assert balancer.evaluated.mean_input == 1400.0
+    # Two short prompts start: too few to tell a shift; nothing is due before the interval is up.
+    counters |= dict(started_requests_total=12, started_prompt_tokens_total=14_128, started_max_tokens_total=2360)
+    balancer.sample(gateway_counters(**counters), now=12.5)
+    assert balancer.signals().mean_input > 1000 and not balancer.due(12.5)
+    # A third: the three newest are read as the load, and it is evaluated now.
+    counters |= dict(started_requests_total=13, started_prompt_tokens_total=14_192, started_max_tokens_total=3460)
+    balancer.sample(gateway_counters(**counters), now=15.0)
+    got = balancer.signals()
+    assert (got.mean_input, got.mean_output) == (64.0, 1100.0)
+    assert balancer.due(15.0) and balancer.next_at == 25.0
+    balancer.evaluated = got
+    assert not balancer.due(15.5)  # once: that load is the one evaluated now
+
+
+def test_at_a_low_rate_the_window_stretches_back_until_enough_requests_started_in_it():
+    balancer = Node().balancer  # interval 10 s: two intervals hold 2 requests at 0.1 requests/s
+    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                    streamed_tokens_total=0)
+    for second in range(0, 71, 5):
+        started = second // 10
+        balancer.sample(gateway_counters(**counters | dict(
+            started_requests_total=started, started_prompt_tokens_total=100 * started,
+            started_max_tokens_total=50 * started)), now=float(second))
+        if second == 60:  # six started: the window holds five of them, over 45 s
+            got = balancer.signals()
+            assert got is not None and got.mean_input == 100.0
+            assert balancer.samples[-1][0] - balancer.samples[0][0] == 45.0 and got.requests_per_min == 60 * 5 / 45
+    assert balancer.samples[-1][0] - balancer.samples[0][0] <= MAX_WINDOW_S  # not beyond
+
+
+def test_where_every_split_fails_most_requests_a_point_of_attainment_does_not_outweigh_serving_them_sooner(
+        monkeypatch):
+    """Long prompts queue behind the streams of a decode-heavy phase: 1P+2D is predicted 1% and nine times late,
+    2P+1D 0% and three and a half times late. The balancer moves to 2P+1D, at once."""
+    def simulate(costs, deployment, *args, **kwargs):
+        attainment, late = {1: (0.01, 8.6), 2: (0.0, 3.5)}[deployment.prefill]
+        return SimpleNamespace(attainment=attainment, ttft=SimpleNamespace(p90=late * SLO.ttft_s),
+                               tpot=SimpleNamespace(p90=0.0))
+
+    monkeypatch.setattr(balancer_module, "simulate", simulate)
+    signals = Signals(48, 1400, 16, 0.3, 12, 22, 1, 2)
+    got = predict_splits(PROFILE, PROFILE.serving_overheads(), signals, SLO, 1, 8, 30)
+    assert got.predicted[(1, 2)] > got.predicted[(2, 1)] and got.best == (2, 1)
+    assert Node().balancer.act(signals, got, now=100.0)

@@ -1,5 +1,6 @@
 """A prefill worker gives a prompt back (`Withdraw`) only while nothing of it has begun: still waiting in its
-scheduler, or admitted while a step ran and not yet added; and its load accounts for every prompt it holds."""
+scheduler, or admitted while a step ran and not yet added; and its load accounts for every prompt it holds, and
+for the tokens they may still produce."""
 
 
 import msgspec
@@ -73,10 +74,12 @@ def test_a_prompt_is_given_back_until_it_begins_and_the_load_accounts_for_each(w
     load = worker._measure_load()
     assert load.prefilling == ["a"]
     assert load.first_token_work == {"a": 200 - CHUNK, "c": 400 - CHUNK}
+    assert load.num_tokens_left == 2 * GREEDY.max_tokens  # what the balancer weighs a worker's streams by
     assert not withdraw(worker, gateway_inbox, "a")  # begun: it stays
     assert withdraw(worker, gateway_inbox, "c")  # still waiting in the scheduler
     assert not withdraw(worker, gateway_inbox, "unknown")
     worker._apply_ops()
     assert set(worker.engine.sequences) == {"a"} and set(worker.handoffs.requests) == {"a"}
     assert worker._measure_load().first_token_work == {"a": 200 - CHUNK}
+    assert worker._measure_load().num_tokens_left == GREEDY.max_tokens
 

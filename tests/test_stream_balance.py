@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.set_role import set_role
-from pdrt.control_plane.stream_balance import COOLDOWN_S, StreamBalance
+from pdrt.control_plane.stream_balance import COOLDOWN_S, JOINED_S, StreamBalance
 from pdrt.testing.chaos import batch, run_streams
 from pdrt.testing.node import Node
 from pdrt.wire import Load, RoleChanged, ShedStreams
@@ -88,3 +88,17 @@ def test_a_move_waits_out_the_cooldown_and_workers_changing_roles_take_no_part()
     assert streams.tick(now=10.0 + COOLDOWN_S) == 4  # the loads did not change: asked again
     assert balance(registry, pending={"decode-1"})[0].tick(now=10.0) == 0
     assert balance(registry, enabled=False)[0].tick(now=10.0) == 0
+
+
+def test_a_worker_that_just_became_a_decode_worker_takes_half_the_gap_once_whatever_the_step_time():
+    registry = decode_workers((8, 0.005), (0, 0.0))  # under the SLO: no move for its own sake
+    streams, sent = balance(registry)
+    assert streams.tick(now=10.0) == 0
+    streams.join("decode-1", now=10.0)
+    assert streams.tick(now=10.0) == 4 and sent[-1][0] == b"d0"
+    assert streams.tick(now=10.0 + COOLDOWN_S) == 0  # once: then the step times decide again
+    streams.join("decode-1", now=20.0)
+    assert streams.tick(now=20.0 + JOINED_S) == 0  # too late: the loads have moved on since
+    few, _ = balance(decode_workers((1, 0.005), (0, 0.0)))
+    few.join("decode-1", now=30.0)
+    assert few.tick(now=30.0) == 0  # too few to move

@@ -1,13 +1,16 @@
 """The balancer: the controller's policy that moves workers between prefill and decode as the load changes.
 
-Every `[controller] balance_interval_s` it reads the node's signals over
-the last two intervals:
+Every `[controller] balance_interval_s`, and at once when the newest
+requests are of another mix than the last evaluation's, it reads the
+node's signals over the last two intervals (or as far back as MIN_REQUESTS
+requests started, up to MAX_WINDOW_S):
 
 * requests a minute as they start, and the SLO attainment of those that
   ended, from the gateways' counters (`pdrt_gateway_*`);
-* their mean prompt length as they start, over the last interval when
-  enough started in it (a window straddling a change of the mix would
-  average two loads into one that is neither);
+* their mean prompt length as they start: over the newest FRESH_REQUESTS
+  when theirs is MIX_CHANGE times the window's, else over the last
+  interval when enough started in it (a window straddling a change of the
+  mix would average two loads into one that is neither);
 * their mean answer length, read ahead over the same interval: the
   max_tokens the requests that start ask for, times the share of it that
   ended requests used (in the window, else since the gateway started).
@@ -34,16 +37,19 @@ slower than the simulator's (the profile's step and what serving adds to
 it) as the steps of the decode workers holding MIN_STEP_STREAMS streams or
 more are now, and prompts as much slower as the prefill workers' recent
 steps of MIN_STEP_PROMPT_TOKENS prompt tokens or more (a loaded machine is
-slower than the quiet one it was profiled on, and a shared one drifts). It
-moves one worker toward the best split when all of these hold:
+slower than the quiet one it was profiled on, and a shared one drifts).
+The best split is the one predicted to attain the most, or, where every
+split is predicted to miss the SLOs for most requests (below URGENT), the
+one predicted to serve them soonest (the worse of TTFT p90 and TPOT p90,
+each over its SLO: its lateness); a backlog that no split clears within
+the horizon predicts a few percent for all, and the split that drains it
+fastest is still the one to be in. It moves one worker toward the best
+split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
   or, where the current one is predicted to miss the SLOs for most
-  requests (below URGENT) and no split does much better, it serves them
-  sooner: its predicted lateness (the worse of TTFT p90 and TPOT p90, each
-  over its SLO) is below SOONER of the current one's. A backlog that no
-  split clears within the horizon predicts 0% for all; the split that
-  drains it fastest is still the one to be in;
+  requests (below URGENT), its lateness is below SOONER of the current
+  one's;
 * the same split was best at the previous evaluation too (hysteresis),
   unless it beats the current one by LARGE_GAIN or the current one is
   predicted to miss the SLOs for most requests (below URGENT): a load that
@@ -83,6 +89,7 @@ from pdrt.bench.stats import RateSummary, Slo
 from pdrt.bench.workloads import RequestShape
 from pdrt.control_plane.registry import Registry
 from pdrt.control_plane.role_changes import SPLIT_ROLES, RoleChanges
+from pdrt.control_plane.stream_balance import spread_to_joined
 from pdrt.metrics.exposition import total
 from pdrt.planner.predict import simulate
 from pdrt.planner.profile import Profile
@@ -96,6 +103,10 @@ LARGE_GAIN = 0.3  # of predicted attainment: acted on without waiting for a seco
 URGENT = 0.5  # predicted attainment of the current split below which a better one is taken without waiting
 SOONER = 0.7  # of the current split's predicted lateness: a split as good by attainment and this much sooner wins
 MIN_REQUESTS = 5  # in a window, to read a load off it
+MAX_WINDOW_S = 60.0  # the window stretches back beyond two intervals to hold MIN_REQUESTS, up to this
+# The newest requests that, as soon as they started, tell a shift of the mix (MIX_CHANGE) before a window of
+# MIN_REQUESTS does: the lengths are then read off them, and the evaluation comes at once.
+FRESH_REQUESTS = 3
 MAX_SIM_REQUESTS = 400
 # Draws of the arrivals ahead a prediction averages: at a node's knee one draw's burst or lull swings a split's
 # attainment by tens of points.
@@ -131,6 +142,7 @@ class Signals:
     prefill_steps: tuple[tuple[float, float], ...] = ()  # per prefill worker: (prompt tokens a recent step, tokens/s)
     mean_left: float | None = None  # answer tokens an open request is expected to produce still; None: unknown
     held: tuple[int, ...] = ()  # streams held by each decode worker; () spreads decode_streams evenly
+    fresh: bool = False  # lengths read off the newest requests, of another mix than the window's (FRESH_REQUESTS)
 
     def streams_by_worker(self) -> list[int]:
         if self.held:
@@ -158,8 +170,17 @@ class Decision:
 def mix_changed(before: Signals, now: Signals) -> bool:
     """Whether the requests starting now are of another mix than `before`'s: prompts or answers MIX_CHANGE times
     as long or as short."""
-    return any(max(a, b) >= MIX_CHANGE * max(1.0, min(a, b))
-               for a, b in ((before.mean_input, now.mean_input), (before.mean_output, now.mean_output)))
+    return shifted((before.mean_input, before.mean_output), (now.mean_input, now.mean_output))
+
+
+def shifted(before: tuple[float, float], now: tuple[float, float]) -> bool:
+    """Whether mean (prompt, answer) lengths `now` are MIX_CHANGE times as long or as short as `before`'s."""
+    return any(max(a, b) >= MIX_CHANGE * max(1.0, min(a, b)) for a, b in zip(before, now, strict=True))
+
+
+def started_means(counts: dict[str, float]) -> tuple[float, float]:
+    """The mean prompt and max_tokens of the requests that started over a span of the gateways' counters."""
+    return counts["prompt"] / max(1.0, counts["requests"]), counts["asked"] / max(1.0, counts["requests"])
 
 
 def lateness(summary: RateSummary, slo: Slo) -> float:
@@ -205,8 +226,12 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     predicted = {split: statistics.fmean(r.attainment for r in summaries) for split, summaries in runs.items()}
     late = {split: statistics.fmean(lateness(r, slo) for r in summaries) for split, summaries in runs.items()}
     current = (signals.prefill, signals.decode)
-    # Lateness breaks ties among splits that fail most requests alone: among good ones the current split stays.
-    best = max(predicted, key=lambda s: (predicted[s], -late[s] if predicted[s] < URGENT else 0.0, s == current))
+    if max(predicted.values()) < URGENT:
+        # Every split fails most requests (a backlog none clears within the horizon): a point or two of attainment
+        # between them is noise, and the one that serves them soonest is the one to be in.
+        best = min(late, key=lambda s: (late[s], s != current))
+    else:  # among good ones the current split stays on a tie
+        best = max(predicted, key=lambda s: (predicted[s], s == current))
     return Decision(best, predicted, late, slowdown, prefill_slowdown)
 
 
@@ -243,13 +268,18 @@ def share_used(window: dict[str, float], since_start: dict[str, float]) -> float
 
 def held_after_change(streams: list[tuple[int, int]], counts: list[int], decode: int) -> list[list[tuple[int, int]]]:
     """`streams` placed on `decode` decode workers as they would be after a change from workers holding `counts`
-    of them: those that stay keep theirs, a worker added starts with none, and the streams of one taken away
-    (the least busy goes) move one by one to the worker with the fewest."""
+    of them: those that stay keep theirs; the streams of one taken away (the least busy goes) move one by one to
+    the worker with the fewest; a worker added takes what the most crowded one sends on to it at once
+    (pdrt/control_plane/stream_balance.py)."""
     counts = sorted(counts, reverse=True)
     kept, moved = counts[:decode], sum(counts[decode:])
-    kept += [0] * (decode - len(kept))
     for _ in range(moved):
         kept[kept.index(min(kept))] += 1
+    while len(kept) < decode:
+        sent = spread_to_joined(kept)
+        if sent:
+            kept[kept.index(max(kept))] -= sent
+        kept.append(sent)
     it = iter(streams)
     return [[next(it) for _ in range(n)] for n in kept]
 
@@ -275,6 +305,7 @@ class Balancer:
         self.next_at = time.monotonic() + interval_s
         self.last_change_at = -math.inf
         self.previous_best: tuple[int, int] | None = None
+        self.evaluated: Signals | None = None  # the load the last evaluation read
         self.evaluating = False
         self.predictor = ThreadPoolExecutor(1, thread_name_prefix="balancer-predict", initializer=_yield_cpu)
         self.said_why_not = False
@@ -319,7 +350,11 @@ class Balancer:
             "met": total(families, "pdrt_gateway_slo_met_total", slo="both"),
         }
         self.samples.append((now, counters))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= 2 * self.interval_s:
+        # Two intervals back, or as far as MIN_REQUESTS started (up to MAX_WINDOW_S): at a low rate two intervals
+        # hold too few requests to read a load off.
+        while len(self.samples) > 2 and now - self.samples[1][0] >= 2 * self.interval_s and (
+                counters["requests"] - self.samples[1][1]["requests"] >= MIN_REQUESTS
+                or now - self.samples[1][0] >= MAX_WINDOW_S):
             self.samples.popleft()
 
     def signals(self) -> Signals | None:
@@ -333,11 +368,18 @@ class Balancer:
         if t1 - t0 <= 0 or delta["requests"] < MIN_REQUESTS:
             return None
         prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
-        # Lengths from the last interval alone when enough requests started in it: a window that straddles a
-        # change of the mix averages two loads into one that is neither.
+        # Lengths from the newest requests when they show another mix than the window's, else from the last
+        # interval alone when enough requests started in it: a window that straddles a change of the mix averages
+        # two loads into one that is neither.
+        fresh = next(({k: last[k] - c[k] for k in last} for _, c in reversed(self.samples)
+                      if last["requests"] - c["requests"] >= FRESH_REQUESTS), None)
         start = next((c for t, c in reversed(self.samples) if t <= t1 - self.interval_s), first)
         recent = {k: last[k] - start[k] for k in last}
-        lengths = recent if recent["requests"] >= MIN_REQUESTS else delta
+        is_fresh = fresh is not None and shifted(started_means(fresh), started_means(delta))
+        if is_fresh:
+            lengths = fresh
+        else:
+            lengths = recent if recent["requests"] >= MIN_REQUESTS else delta
         used = share_used(delta, last)
         if used is None:
             mean_output, mean_left = lengths["output"] / lengths["requests"], None
@@ -354,10 +396,15 @@ class Balancer:
             prefill=len(prefill), decode=len(decode),
             decode_steps=tuple((e.load.num_running, e.load.decode_step_s) for e in decode),
             prefill_steps=tuple((e.load.prefill_step_tokens, e.load.prefill_tokens_per_s) for e in prefill),
-            held=tuple(e.load.num_running + e.load.num_waiting for e in decode))
+            held=tuple(e.load.num_running + e.load.num_waiting for e in decode), fresh=is_fresh)
 
     def due(self, now: float) -> bool:
-        if not self.enabled or self.evaluating or now < self.next_at:
+        """Whether to evaluate now: every interval, and at once when the newest requests are of another mix than
+        the last evaluation's."""
+        if not self.enabled or self.evaluating:
+            return False
+        if now < self.next_at and not (self.evaluated is not None and (latest := self.signals()) is not None
+                                       and latest.fresh and mix_changed(self.evaluated, latest)):
             return False
         self.next_at = now + self.interval_s
         return len(self.registry.by_role("prefill")) + len(self.registry.by_role("decode")) >= 3 \
@@ -374,7 +421,7 @@ class Balancer:
             self._record("keep", "too few requests in the window to read a load off")
             return False
         assert self.profile is not None
-        self.evaluating = True
+        self.evaluating, self.evaluated = True, signals
         try:
             cancel = threading.Event()
             predict = functools.partial(predict_splits, self.profile, self.profile.serving_overheads(), signals,
@@ -435,10 +482,13 @@ class Balancer:
         return action == "change"
 
     def _change(self, role: str, reason: str) -> tuple[bool, str]:
-        """Move the least busy worker of the other role to `role`: whether the change began, and what happened."""
+        """Move the least busy worker of the other role to `role`: whether the change began, and what happened. A
+        decode worker's streams go on to the others: the least busy is the one with the fewest tokens left to
+        produce; a prefill worker's, the one with the fewest prompts."""
         other = next(r for r in SPLIT_ROLES if r != role)
-        candidates = sorted(self.registry.by_role(other),
-                            key=lambda e: (e.load.num_running + e.load.num_waiting, e.load.num_waiting_tokens))
+        candidates = sorted(self.registry.by_role(other), key=lambda e: (
+            e.load.num_tokens_left if other == "decode" else 0,
+            e.load.num_running + e.load.num_waiting, e.load.num_waiting_tokens))
         if not candidates:
             return False, f"no {other} worker to move"
         entry = candidates[0]

@@ -184,7 +184,8 @@ class Controller(Actor):
         elif isinstance(message, MetricsReport):
             self.metrics.report(message)
         elif isinstance(message, RoleChanged):
-            self.roles.confirmed(message)
+            if self.roles.confirmed(message) and message.role == "decode":
+                self.streams.join(message.process_id)
         elif isinstance(message, Register):
             if message.protocol_version != PROTOCOL_VERSION:
                 self._send(identity, Error("unsupported_version", f"controller speaks protocol {PROTOCOL_VERSION}, "

@@ -78,12 +78,14 @@ class RoleChanges:
         log.info("role change", process=process_id, old=change.old, role=role, reason=reason)
         return None
 
-    def confirmed(self, message: RoleChanged) -> None:
+    def confirmed(self, message: RoleChanged) -> bool:
+        """The worker serves its new role; False when no such change was under way."""
         change = self.pending.get(message.process_id)
         if change is None or change.role != message.role:
-            return
+            return False
         del self.pending[message.process_id]
         self._done(change, message)
+        return True
 
     def lost(self, process_id: str) -> None:
         """The worker died or left during its change: the change ends unmade (a new incarnation registers with

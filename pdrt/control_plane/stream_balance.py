@@ -17,6 +17,14 @@ it is asked (`ShedStreams`) to send half the difference on. They go as
 continuations, which the gateways route to the decode worker with the
 fewest streams; each costs one prefill of its context there. After a move,
 the next waits COOLDOWN_S, for the moved streams to show in the loads.
+
+A worker that has just become a decode worker (`joined`) is the one
+exception to the step times: the balancer made it one because the decode
+workers were to be short of room, and the streams held now are the ones
+that will run longest. For JOINED_S after it serves its new role, the
+crowded worker sends half the gap on as soon as the gap is large enough,
+whatever its step time, once; the balancer's simulator places the streams
+held at a change the same way (`spread_to_joined`).
 Workers in the middle of a role change take no part. It runs when the
 balancer does (`[controller] balance`).
 """
@@ -35,6 +43,14 @@ log = structlog.get_logger(__name__)
 MIN_GAP = 2  # streams: a gap of one moves nothing
 MIN_SHARE = 0.25  # of the crowded worker's streams: a smaller gap is noise between two loaded workers
 COOLDOWN_S = 2.0
+JOINED_S = 5.0  # after a worker became a decode worker, it takes half the crowded one's streams whatever its step
+
+
+def spread_to_joined(counts: list[int]) -> int:
+    """How many streams the most crowded of decode workers holding `counts` sends on to a worker that has
+    just joined them (holding none): half the gap when the gap is large enough to move at all."""
+    most = max(counts, default=0)
+    return most // 2 if most >= max(MIN_GAP, MIN_SHARE * most) else 0
 
 
 class StreamBalance:
@@ -46,13 +62,19 @@ class StreamBalance:
         self.enabled = enabled
         self.tpot_slo_s = tpot_slo_s
         self.last_move = -COOLDOWN_S
+        self.joined: dict[str, float] = {}  # process id -> when it became a decode worker
         self.moves = Counter("pdrt_controller_streams_shed", "Streams the controller asked a crowded decode worker "
                              "to send on to the one with the fewest", registry=metrics)
+
+    def join(self, process_id: str, now: float | None = None) -> None:
+        """`process_id` has become a decode worker: it takes half the crowded one's streams at the next tick."""
+        self.joined[process_id] = time.monotonic() if now is None else now
 
     def tick(self, now: float | None = None) -> int:
         """Ask the most crowded decode worker to send streams on when it should; how many it was asked for."""
         now = time.monotonic() if now is None else now
-        if not self.enabled or now - self.last_move < COOLDOWN_S:
+        self.joined = {p: t for p, t in self.joined.items() if now - t < JOINED_S}
+        if not self.enabled or (now - self.last_move < COOLDOWN_S and not self.joined):
             return 0
         changing = self.pending()
         workers = [e for e in self.registry.by_role("decode") if e.process_id not in changing]
@@ -61,12 +83,16 @@ class StreamBalance:
         most = max(workers, key=lambda e: e.load.num_running)
         fewest = min(workers, key=lambda e: e.load.num_running)
         gap = most.load.num_running - fewest.load.num_running
-        if (gap < max(MIN_GAP, MIN_SHARE * most.load.num_running) or most.load.step_s <= self.tpot_slo_s
-                or fewest.load.step_s > self.tpot_slo_s):
+        joined = self.joined.pop(fewest.process_id, None) is not None
+        if not joined and (now - self.last_move < COOLDOWN_S or most.load.step_s <= self.tpot_slo_s
+                           or fewest.load.step_s > self.tpot_slo_s):
+            return 0
+        if gap < max(MIN_GAP, MIN_SHARE * most.load.num_running):
             return 0
         count = gap // 2
         reason = (f"{most.process_id} holds {most.load.num_running} streams, stepping in "
-                  f"{most.load.step_s * 1e3:.1f} ms; {fewest.process_id} holds {fewest.load.num_running}")
+                  f"{most.load.step_s * 1e3:.1f} ms; {fewest.process_id} holds {fewest.load.num_running}"
+                  + (", a decode worker since just now" if joined else ""))
         self.send(most.identity, ShedStreams(count, reason))
         self.last_move = now
         self.moves.inc(count)

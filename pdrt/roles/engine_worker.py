@@ -307,10 +307,12 @@ class EngineWorker(Actor):
         waiting_tokens += sum(scheduler.num_pending_tokens(s) for s in scheduler.running
                               if s.num_computed_tokens < s.num_prompt_tokens)
         num_held = len(self.engine.sequences) - len(scheduler.waiting) - len(scheduler.running)
+        tokens_left = sum(max(0, s.params.max_tokens - s.output_index)
+                          for s in (*scheduler.waiting, *scheduler.running))
         return Load(len(scheduler.waiting), len(scheduler.running), num_held, num_free, blocks.num_blocks,
                     blocks.num_blocks - num_free, waiting_tokens, len(self.drafts),
                     self.engine.num_draft_tokens_ahead, self.engine.num_draft_rollbacks, *self.metrics.step_times(),
-                    *self.metrics.prefill_rate())
+                    *self.metrics.prefill_rate(), num_tokens_left=tokens_left)
 
     def load(self) -> Load:
         return self._load
