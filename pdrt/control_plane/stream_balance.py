@@ -25,6 +25,7 @@ that will run longest. For JOINED_S after it serves its new role, the
 crowded worker sends half the gap on as soon as the gap is large enough,
 whatever its step time, once; the balancer's simulator places the streams
 held at a change the same way (`spread_to_joined`).
+
 Workers in the middle of a role change take no part. It runs when the
 balancer does (`[controller] balance`).
 """
@@ -48,9 +49,10 @@ JOINED_S = 5.0  # after a worker became a decode worker, it takes half the crowd
 
 def spread_to_joined(counts: list[int]) -> int:
     """How many streams the most crowded of decode workers holding `counts` sends on to a worker that has
-    just joined them (holding none): half the gap when the gap is large enough to move at all."""
+    just joined them (holding none): half the gap when the gap is large enough to move at all (against none, a
+    gap of MIN_GAP is)."""
     most = max(counts, default=0)
-    return most // 2 if most >= max(MIN_GAP, MIN_SHARE * most) else 0
+    return most // 2 if most >= MIN_GAP else 0
 
 
 class StreamBalance:
