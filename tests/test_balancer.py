@@ -268,8 +268,7 @@ def test_a_prediction_stops_when_the_mix_changes_under_it_and_the_next_one_start
     node = Node()
     balancer = node.balancer
     balancer.profile, balancer.interval_s = PROFILE, 0.4
-    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
-                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    counters = dict(NO_REQUESTS)
     balancer.sample(gateway_counters(**counters), now=0.0)
     # Short prompts and long answers (those that ended used all they asked for) ...
     counters |= dict(started_requests_total=10, started_prompt_tokens_total=640, started_max_tokens_total=11_000,
@@ -309,6 +308,11 @@ def test_the_prediction_looks_ahead_two_lifetimes_of_a_stream_two_intervals_and_
     assert balancer.horizon_s(signals(64, 100, 1, 2)) == 50.0  # two intervals
 
 
+# The gateways' counters before any request (pdrt_gateway_<name>).
+NO_REQUESTS = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
+                   streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+
+
 def gateway_counters(**values: float) -> list:
     """The gateways' metrics as the controller reads them: `name=value` for each pdrt_gateway_<name>."""
     return parse("".join(f"pdrt_gateway_{name} {value}\n" for name, value in values.items()).encode())
@@ -316,8 +320,7 @@ def gateway_counters(**values: float) -> list:
 
 def test_the_answer_length_is_read_ahead_from_what_requests_ask_for_at_the_share_ended_ones_used():
     balancer = Node().balancer
-    start = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
-                 streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    start = dict(NO_REQUESTS)
     balancer.sample(gateway_counters(**start), now=0.0)
     # Ten long answers start (1000 tokens asked for each), 50 tokens streamed so far; no request ended yet.
     started = start | dict(started_requests_total=10, started_prompt_tokens_total=640,
@@ -354,8 +357,7 @@ def test_a_crowded_decode_worker_is_predicted_to_stay_crowded():
 
 def test_lengths_come_from_the_last_interval_when_enough_requests_started_in_it():
     balancer = Node().balancer  # interval 10 s
-    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
-                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    counters = dict(NO_REQUESTS)
     balancer.sample(gateway_counters(**counters), now=0.0)
     # Ten long prompts in the first interval, then ten short ones: the load now is short prompts.
     counters |= dict(started_requests_total=10, started_prompt_tokens_total=14_000, started_max_tokens_total=160)
@@ -371,8 +373,7 @@ def test_lengths_come_from_the_last_interval_when_enough_requests_started_in_it(
 def test_the_newest_requests_of_another_mix_are_read_at_once_and_evaluated_before_the_interval_is_up():
     balancer = Node().balancer  # interval 10 s
     balancer.profile = PROFILE
-    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
-                    streamed_tokens_total=0, requests_total=0, output_tokens_total=0, max_tokens_total=0)
+    counters = dict(NO_REQUESTS)
     balancer.sample(gateway_counters(**counters), now=0.0)
     # Long prompts, short answers (all used) for ten seconds: evaluated.
     counters |= dict(started_requests_total=10, started_prompt_tokens_total=14_000, started_max_tokens_total=160,
@@ -396,8 +397,7 @@ def test_the_newest_requests_of_another_mix_are_read_at_once_and_evaluated_befor
 
 def test_at_a_low_rate_the_window_stretches_back_until_enough_requests_started_in_it():
     balancer = Node().balancer  # interval 10 s: two intervals hold 2 requests at 0.1 requests/s
-    counters = dict(started_requests_total=0, started_prompt_tokens_total=0, started_max_tokens_total=0,
-                    streamed_tokens_total=0)
+    counters = dict(NO_REQUESTS)
     for second in range(0, 71, 5):
         started = second // 10
         balancer.sample(gateway_counters(**counters | dict(
