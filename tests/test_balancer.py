@@ -40,6 +40,7 @@ from pdrt.planner.simulator import Overheads
 from pdrt.wire import ChangeRole
 
 SLO = Slo(0.2, 0.02)
+LONG_PROMPT_CLIENTS = 12
 
 
 def hand_made_profile(prefill_per_token_s: float, decode_per_seq_s: float) -> Profile:
@@ -184,25 +185,38 @@ def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, 
 
     monkeypatch.setenv("PDRT_CACHE_DIR", str(tmp_path / "cache"))
     model = str(model_dirs["llama"])
-    # A profile by which prompts are expensive: one prefill worker cannot keep up with the load below.
+    # A profile written by hand: the node's own steps scale it to what they take here.
     profile = hand_made_profile(1e-4, 5e-4)
     profile.cores = 2
     profile.save(default_profile_path(model))
     metrics_port = free_port()
     with RunningNode(tmp_path, model, extra={"decode": {"count": 2}, "gateway": {"ttft_slo_s": 0.2, "tpot_slo_s": 0.05},
-                                              "controller": {"balance_interval_s": 1.0, "metrics_port": metrics_port}},
+                                              "controller": {"balance_interval_s": 1.0, "metrics_port": metrics_port},
+                                              "experimental": {"local_prefill_max_tokens": 0}},
                      ) as node:
         node.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        moved = asyncio.Event()
+
+        async def prompts(client: AsyncClient, first: int) -> None:
+            # Long prompts back to back from LONG_PROMPT_CLIENTS at once: the one prefill worker always has a
+            # queue, whatever its speed.
+            for i in range(first, 100 * LONG_PROMPT_CLIENTS, LONG_PROMPT_CLIENTS):
+                if moved.is_set():
+                    return
+                tokens = [(i * 7 + j) % 900 + 5 for j in range(900)]
+                await client.generate(token_ids=tokens, params=SamplingParams(max_tokens=2, ignore_eos=True))
+
+        async def watch() -> None:
+            for _ in range(120):
+                roles = [w.role for w in (await asyncio.to_thread(node_status, node)).workers]
+                if roles.count("prefill") == 2:
+                    break
+                await asyncio.sleep(0.5)
+            moved.set()
 
         async def load() -> None:
             async with AsyncClient(node.address) as client:
-                for i in range(120):
-                    tokens = [(i * 7 + j) % 900 + 5 for j in range(900)]
-                    await client.generate(token_ids=tokens, params=SamplingParams(max_tokens=2, ignore_eos=True))
-                    roles = [w.role for w in node_status(node).workers] if i % 10 == 9 else []
-                    if roles.count("prefill") == 2:
-                        return
-                    await asyncio.sleep(0.03)
+                await asyncio.gather(watch(), *(prompts(client, k) for k in range(LONG_PROMPT_CLIENTS)))
 
         asyncio.run(load())
         wait_for(lambda: sorted(w.role for w in node_status(node).workers) == ["decode", "prefill", "prefill"],

@@ -7,7 +7,7 @@ import pytest
 from pdrt.bench import BenchOptions, Slo
 from pdrt.bench.workloads import LengthLimits, RequestShape
 from pdrt.planner.cost_model import CostModel, StepFit, ThreadsFit, fit_step
-from pdrt.planner.overheads import LOADED, fit_decode_seq, simulated_tpot
+from pdrt.planner.overheads import fit_decode_seq, loaded_requests, simulated_tpot
 from pdrt.planner.predict import predict
 from pdrt.planner.profile import Profile, measure_profile
 from pdrt.planner.simulator import Deployment, Overheads, Simulation
@@ -65,12 +65,13 @@ def test_frontend_cpu_delays_tokens_and_takes_cores():
 
 def test_the_cost_a_stream_adds_to_a_step_is_fitted_back_from_the_tpot_it_gives_a_loaded_node():
     truth = Overheads(step_overhead_s=1e-4, decode_seq_s=7e-5, gateway_token_s=3e-5, client_token_s=3e-5)
+    loaded = loaded_requests(0.1)
     for cores in (2, 8):  # the node's processes contend for two cores, and do not for eight
-        tpot = simulated_tpot(COSTS, truth, cores, LOADED)
+        tpot = simulated_tpot(COSTS, truth, cores, loaded)
         fitted = fit_decode_seq(COSTS, Overheads(step_overhead_s=1e-4, gateway_token_s=3e-5, client_token_s=3e-5),
-                                cores, LOADED, tpot)
+                                cores, loaded, tpot)
         assert fitted == pytest.approx(truth.decode_seq_s, rel=1e-3)
-    assert fit_decode_seq(COSTS, truth, 8, LOADED, simulated_tpot(COSTS, Overheads(), 8, LOADED)) == 0.0
+    assert fit_decode_seq(COSTS, truth, 8, loaded, simulated_tpot(COSTS, Overheads(), 8, loaded)) == 0.0
 
 
 def test_a_slower_host_takes_every_cost_as_much_longer_and_moves_bytes_as_fast():

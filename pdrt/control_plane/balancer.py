@@ -33,11 +33,13 @@ intervals, and two lifetimes of a stream at the TPOT SLO (a queue that a
 load just past a worker's capacity builds grows for tens of seconds, and
 streams pile up on a decode worker over their whole lives: a shorter look
 takes a load that will not hold for one that does); decode steps as much
-slower than the simulator's (the profile's step and what serving adds to
-it) as the steps of the decode workers holding MIN_STEP_STREAMS streams or
-more are now, and prompts as much slower as the prefill workers' recent
-steps of MIN_STEP_PROMPT_TOKENS prompt tokens or more (a loaded machine is
-slower than the quiet one it was profiled on, and a shared one drifts).
+slower or faster than the simulator's (the profile's step and what serving
+adds to it) as the steps of the decode workers holding MIN_STEP_STREAMS
+streams or more are now, and prompts as much slower or faster as the
+prefill workers' recent steps of MIN_STEP_PROMPT_TOKENS prompt tokens or
+more (a loaded machine is slower than the quiet one it was profiled on, a
+shared one drifts, and what serving adds to a step is measured on one
+shape of node only): the node's own steps anchor the prediction.
 The best split is the one predicted to attain the most, or, where every
 split is predicted to miss the SLOs for most requests (below URGENT), the
 one predicted to serve them soonest (the worse of TTFT p90 and TPOT p90,
@@ -78,7 +80,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -112,7 +114,9 @@ MAX_SIM_REQUESTS = 400
 # attainment by tens of points.
 SAMPLES = 3
 LENGTH_SIGMA = 0.5  # the spread of simulated lengths around the measured means (lognormal)
-MAX_SLOWDOWN = 4.0  # of decode steps against the simulator's: beyond it, something else is wrong
+# Of steps against the simulator's, either way: beyond it, something else is wrong (a worker stalled, a stale
+# profile of another host).
+MAX_SLOWDOWN = 4.0
 # A decode worker's steps tell how much slower decode runs than profiled only when it holds this many streams:
 # a step of fewer is mostly its fixed cost, and the time it waited for a core while prompts were computed.
 MIN_STEP_STREAMS = 4
@@ -190,6 +194,11 @@ def lateness(summary: RateSummary, slo: Slo) -> float:
     return max(summary.ttft.p90 / slo.ttft_s, (summary.tpot.p90 or 0.0) / slo.tpot_s)
 
 
+def within_bounds(ratio: float) -> float:
+    """A measured ratio of steps to the simulator's, kept within MAX_SLOWDOWN either way."""
+    return min(MAX_SLOWDOWN, max(1 / MAX_SLOWDOWN, ratio))
+
+
 def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo: Slo, threads: int, cores: int,
                    horizon_s: float, seed: int = 0, cancelled: Callable[[], bool] = lambda: False,
                    prefill_nice: int = PREFILL_NICE) -> Decision | None:
@@ -204,11 +213,14 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     ratios = [seconds / (costs.decode_step_s(batch, batch * context, threads) + overheads.step_overhead_s
                          + overheads.decode_seq_s * batch)
               for batch, seconds in signals.decode_steps if batch >= MIN_STEP_STREAMS and seconds]
-    slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(ratios))) if ratios else 1.0
+    slowdown = within_bounds(statistics.median(ratios)) if ratios else 1.0
     prompt_ratios = [tokens / rate / (costs.prefill_s(round(tokens), 0, threads) + overheads.step_overhead_s)
                      for tokens, rate in signals.prefill_steps if tokens >= MIN_STEP_PROMPT_TOKENS and rate > 0]
-    prefill_slowdown = min(MAX_SLOWDOWN, max(1.0, statistics.median(prompt_ratios))) if prompt_ratios else 1.0
+    prefill_slowdown = within_bounds(statistics.median(prompt_ratios)) if prompt_ratios else 1.0
     costs = costs.slower(prefill_slowdown, slowdown)
+    # The ratio was taken against the decode step with what serving adds to it: both scale.
+    overheads = replace(overheads, step_overhead_s=overheads.step_overhead_s * slowdown,
+                        decode_seq_s=overheads.decode_seq_s * slowdown)
     counts = signals.streams_by_worker()
     workers = signals.prefill + signals.decode
     rate = signals.requests_per_min / 60

@@ -1,6 +1,8 @@
 """What serving adds to the model's steps, measured on a running node.
 
-A node of one prefill and two decode workers (a thread each) serves, over
+A node of one prefill and two decode workers (a thread each; no prompt
+prefilled on a decode worker, which the simulator does not model: a burst
+of prompts would put them into the decode steps measured) serves, over
 pdrt's native protocol, prompts of PROMPT tokens. Against the cost model of
 the same machine:
 
@@ -12,10 +14,11 @@ the same machine:
   how long a token takes to reach the client (`token_latency_s`); the
   median first gap after the first token, less a usual gap, is the KV
   handoff's cost (`handoff_s`);
-* LOADED_STREAMS requests per decode worker sent at once, with answers of
-  LOADED_ANSWER tokens (LOADED_REPEATS times), load the node as serving
-  does: the decode workers, the gateway and the client all busy, on a small
-  host more than its cores.
+* LOADED_STREAMS requests per decode worker, with answers of LOADED_ANSWER
+  tokens, arriving evenly over the time one of them takes alone
+  (LOADED_REPEATS times), load the node as serving does: the decode
+  workers, the gateway and the client all busy, on a small host more than
+  its cores.
   The CPU the gateway (read from /proc) and the client (this process) spend
   then, against a load of one-token answers, gives their CPU per request
   and per output token. What each stream adds to a step around the model
@@ -59,7 +62,16 @@ CPU_REQUESTS = 120  # of one-token answers
 # spend less under load, where one wake-up reads many frames; goodput is decided near saturation.
 CPU_CONCURRENCY = 32
 FIT_STEPS = 40  # bisections of decode_seq_s
-LOADED = [(0.0, RequestShape(PROMPT, LOADED_ANSWER))] * (LOADED_STREAMS * DECODE_WORKERS)  # sent at once
+
+
+def loaded_requests(e2e_s: float) -> list[tuple[float, RequestShape]]:
+    """The loaded runs' requests, from `e2e_s`, how long one of ANSWER tokens takes alone: they arrive evenly over
+    the time one of LOADED_ANSWER tokens takes alone. Sent at once, they would queue at the prefill worker as a
+    burst and join the decode workers in a way a served load rarely does, and what each stream adds to a step,
+    fitted to that, comes out several times what the steps of a served load show."""
+    count = LOADED_STREAMS * DECODE_WORKERS
+    spacing = e2e_s * LOADED_ANSWER / ANSWER / count
+    return [(i * spacing, RequestShape(PROMPT, LOADED_ANSWER)) for i in range(count)]
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,6 +79,7 @@ class _Measured:
     light: list  # records of the light load
     light_speed: tuple[float, float]  # the host's speed just before it (SpeedProbe.factors)
     loaded: list[tuple[float, tuple[float, float]]]  # per loaded run: its median TPOT, the host's speed before it
+    loaded_requests: list[tuple[float, RequestShape]]
     cpu: list[tuple[int, int, float, float]]  # per CPU load: requests, output tokens, gateway CPU s, client CPU s
 
 
@@ -84,7 +97,8 @@ async def _loads(address: str, gateway_pid: int, probe: SpeedProbe) -> _Measured
         light = await run_rate(driver, info, options, None, "overheads-1", requests=requests)
         cpu, loaded, records = [], [], list(light.records)
         gap = e2e / CPU_CONCURRENCY
-        loads = [("loaded", LOADED)] * LOADED_REPEATS + [
+        loaded_load = loaded_requests(e2e)
+        loads = [("loaded", loaded_load)] * LOADED_REPEATS + [
             ("one-token", [(i * gap, RequestShape(PROMPT, 1)) for i in range(CPU_REQUESTS)])]
         for name, requests in loads:
             speed = probe.factors() if name == "loaded" else None
@@ -103,7 +117,7 @@ async def _loads(address: str, gateway_pid: int, probe: SpeedProbe) -> _Measured
     bad = [r.error for r in records if not r.ok]
     if bad:
         raise RuntimeError(f"the node failed requests while measured: {bad}")
-    return _Measured(light.records, light_speed, loaded, cpu)
+    return _Measured(light.records, light_speed, loaded, loaded_load, cpu)
 
 
 def _per_request_and_token(loads: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -152,7 +166,8 @@ def measure_overheads(model: str, profile: Profile, loaded=None) -> Overheads:
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
                     extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},
-                           "experimental": {"prefill_threads": 1, "decode_threads": 1}})
+                           "experimental": {"prefill_threads": 1, "decode_threads": 1,
+                                            "local_prefill_max_tokens": 0}})
         with node:
             measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"], probe))
     steps = profile.cost_model()
@@ -169,6 +184,6 @@ def measure_overheads(model: str, profile: Profile, loaded=None) -> Overheads:
                      gateway_token_s=gateway[1], client_request_s=client[0], client_token_s=client[1]
                      ).slower(1 / measured.light_speed[1])
     cores = os.cpu_count() or 1
-    per_stream = [fit_decode_seq(steps.slower(*speed), base.slower(speed[1]), cores, LOADED, tpot) / speed[1]
-                  for tpot, speed in measured.loaded]
+    per_stream = [fit_decode_seq(steps.slower(*speed), base.slower(speed[1]), cores, measured.loaded_requests, tpot)
+                  / speed[1] for tpot, speed in measured.loaded]
     return dataclasses.replace(base, decode_seq_s=statistics.median(per_stream))
