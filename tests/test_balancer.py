@@ -18,6 +18,7 @@ from pdrt.control_plane.balancer import (
     HORIZON_S,
     LARGE_GAIN,
     MARGIN,
+    MAX_SLOWDOWN,
     MAX_WINDOW_S,
     MIN_REQUESTS,
     PREDICT_NICE,
@@ -278,6 +279,22 @@ def test_prompts_slower_than_the_profile_make_prefill_workers_worth_more():
     assert predict_splits(PROFILE, overheads, load(64, 4.0), SLO, 1, 8, 30).predicted == as_profiled.predicted
 
 
+def test_steps_faster_than_the_profile_make_a_worker_hold_more_and_no_ratio_goes_past_its_bound():
+    # 600 requests a minute of 400-token answers: past one decode worker at the profile's speed, not at a third.
+    costs, serving = PROFILE.cost_model(), Overheads(step_overhead_s=1e-3, decode_seq_s=2e-4)
+
+    def load(times_slower: float) -> Signals:
+        step = costs.decode_step_s(8, 8 * (64 + 400 // 2)) + 1e-3 + 8 * 2e-4
+        return Signals(600, 64, 400, 1.0, 0, 0, 2, 1, decode_steps=((8, times_slower * step),))
+
+    as_profiled = predict_splits(PROFILE, serving, load(1.0), SLO, 1, 8, 30)
+    fast = predict_splits(PROFILE, serving, load(1 / 3), SLO, 1, 8, 30)
+    assert as_profiled.slowdown == 1.0 and fast.slowdown == pytest.approx(1 / 3)
+    assert fast.predicted[(2, 1)] > as_profiled.predicted[(2, 1)] + 0.3
+    assert predict_splits(PROFILE, serving, load(1e-3), SLO, 1, 8, 30).slowdown == pytest.approx(1 / MAX_SLOWDOWN)
+    assert predict_splits(PROFILE, serving, load(1e3), SLO, 1, 8, 30).slowdown == pytest.approx(MAX_SLOWDOWN)
+
+
 def test_a_prediction_stops_when_the_mix_changes_under_it_and_the_next_one_starts_at_once():
     node = Node()
     balancer = node.balancer
@@ -422,6 +439,21 @@ def test_at_a_low_rate_the_window_stretches_back_until_enough_requests_started_i
             assert got is not None and got.mean_input == 100.0
             assert balancer.samples[-1][0] - balancer.samples[0][0] == 45.0 and got.requests_per_min == 60 * 5 / 45
     assert balancer.samples[-1][0] - balancer.samples[0][0] <= MAX_WINDOW_S  # not beyond
+
+
+def test_where_every_split_fails_most_requests_the_one_attaining_far_more_still_wins(monkeypatch):
+    """1P+2D is predicted 21% and sixteen times late (prompts slowed by the streams), 2P+1D 4% and twice late:
+    attainment that far apart is not noise, and 1P+2D stays."""
+    def simulate(costs, deployment, *args, **kwargs):
+        attainment, late = {1: (0.21, 15.7), 2: (0.04, 1.9)}[deployment.prefill]
+        return SimpleNamespace(attainment=attainment, ttft=SimpleNamespace(p90=late * SLO.ttft_s),
+                               tpot=SimpleNamespace(p90=0.0))
+
+    monkeypatch.setattr(balancer_module, "simulate", simulate)
+    signals = Signals(57, 66, 660, 1.0, 10, 12, 1, 2)
+    got = predict_splits(PROFILE, PROFILE.serving_overheads(), signals, SLO, 1, 8, 30)
+    assert got.best == (1, 2)
+    assert not Node().balancer.act(signals, got, now=100.0)
 
 
 def test_where_every_split_fails_most_requests_a_point_of_attainment_does_not_outweigh_serving_them_sooner(

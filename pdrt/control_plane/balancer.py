@@ -43,7 +43,7 @@ shape of node only): the node's own steps anchor the prediction.
 The best split is the one predicted to attain the most, or, where every
 split is predicted to miss the SLOs for most requests (below URGENT), the
 one predicted to serve them soonest (the worse of TTFT p90 and TPOT p90,
-each over its SLO: its lateness); a backlog that no split clears within
+each over its SLO: its lateness) if it attains within MARGIN of the most; a backlog that no split clears within
 the horizon predicts a few percent for all, and the split that drains it
 fastest is still the one to be in. It moves one worker toward the best
 split when all of these hold:
@@ -238,10 +238,11 @@ def predict_splits(profile: Profile, overheads: Overheads, signals: Signals, slo
     predicted = {split: statistics.fmean(r.attainment for r in summaries) for split, summaries in runs.items()}
     late = {split: statistics.fmean(lateness(r, slo) for r in summaries) for split, summaries in runs.items()}
     current = (signals.prefill, signals.decode)
-    if max(predicted.values()) < URGENT:
-        # Every split fails most requests (a backlog none clears within the horizon): a point or two of attainment
-        # between them is noise, and the one that serves them soonest is the one to be in.
-        best = min(late, key=lambda s: (late[s], s != current))
+    soonest = min(late, key=lambda s: (late[s], s != current))
+    if max(predicted.values()) < URGENT and max(predicted.values()) - predicted[soonest] < MARGIN:
+        # Every split fails most requests (a backlog none clears within the horizon) and the one that serves them
+        # soonest is within MARGIN of the most: a point or two between them is noise, and it is the one to be in.
+        best = soonest
     else:  # among good ones the current split stays on a tie
         best = max(predicted, key=lambda s: (predicted[s], s == current))
     return Decision(best, predicted, late, slowdown, prefill_slowdown)

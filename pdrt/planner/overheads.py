@@ -1,9 +1,10 @@
 """What serving adds to the model's steps, measured on a running node.
 
-A node of one prefill and two decode workers (a thread each; no prompt
-prefilled on a decode worker, which the simulator does not model: a burst
-of prompts would put them into the decode steps measured) serves, over
-pdrt's native protocol, prompts of PROMPT tokens. Against the cost model of
+A node of one prefill and two decode workers (a thread each, none lent to
+another, and no prompt prefilled on a decode worker: the simulator models
+neither, and a decode worker stepping with an idle prefill worker's thread
+too puts OpenMP's waits on an oversubscribed host into the steps measured)
+serves, over pdrt's native protocol, prompts of PROMPT tokens. Against the cost model of
 the same machine:
 
 * one request at a time (each sent after the last has ended), answers of
@@ -67,8 +68,7 @@ FIT_STEPS = 40  # bisections of decode_seq_s
 def loaded_requests(e2e_s: float) -> list[tuple[float, RequestShape]]:
     """The loaded runs' requests, from `e2e_s`, how long one of ANSWER tokens takes alone: they arrive evenly over
     the time one of LOADED_ANSWER tokens takes alone. Sent at once, they would queue at the prefill worker as a
-    burst and join the decode workers in a way a served load rarely does, and what each stream adds to a step,
-    fitted to that, comes out several times what the steps of a served load show."""
+    burst and join the decode workers as a served load rarely does."""
     count = LOADED_STREAMS * DECODE_WORKERS
     spacing = e2e_s * LOADED_ANSWER / ANSWER / count
     return [(i * spacing, RequestShape(PROMPT, LOADED_ANSWER)) for i in range(count)]
@@ -166,7 +166,7 @@ def measure_overheads(model: str, profile: Profile, loaded=None) -> Overheads:
     with tempfile.TemporaryDirectory(prefix="pdrt-profile-") as workdir:
         node = Node(Path(workdir), model, engine={"kv_cache_bytes": 1 << 30},
                     extra={"decode": {"count": DECODE_WORKERS}, "gateway": {"http_port": 0},
-                           "experimental": {"prefill_threads": 1, "decode_threads": 1,
+                           "experimental": {"prefill_threads": 1, "decode_threads": 1, "borrow_threads": False,
                                             "local_prefill_max_tokens": 0}})
         with node:
             measured = asyncio.run(_loads(node.address, node.child_pids()["gateway"], probe))

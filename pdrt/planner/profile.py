@@ -9,10 +9,10 @@ host's cores, doubling):
   1024 tokens (capped by the model's context).
 
 Each point is the median of a few repeats after a warm-up step, the lower
-of two passes over the grid (a shared host's slow spells last seconds). The samples
-and their fits (pdrt.planner.cost_model) are saved as JSON, by default under
-the pdrt cache named after the model and this host's CPU, where `pdrt plan`
-and the controller's balancer find them.
+of two passes over the grid (a shared host's slow spells last seconds).
+The samples and their fits (pdrt.planner.cost_model) are saved as JSON, by
+default under the pdrt cache named after the model and this host's CPU,
+where `pdrt plan` and the controller's balancer find them.
 """
 
 import json
