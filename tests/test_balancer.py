@@ -441,15 +441,20 @@ def test_at_a_low_rate_the_window_stretches_back_until_enough_requests_started_i
     assert balancer.samples[-1][0] - balancer.samples[0][0] <= MAX_WINDOW_S  # not beyond
 
 
-def test_where_every_split_fails_most_requests_the_one_attaining_far_more_still_wins(monkeypatch):
-    """1P+2D is predicted 21% and sixteen times late (prompts slowed by the streams), 2P+1D 4% and twice late:
-    attainment that far apart is not noise, and 1P+2D stays."""
+def predicted_as(monkeypatch, by_prefill: dict[int, tuple[float, float]]) -> None:
+    """The simulator replaced: a split of P prefill workers attains by_prefill[P][0], by_prefill[P][1] times late."""
     def simulate(costs, deployment, *args, **kwargs):
-        attainment, late = {1: (0.21, 15.7), 2: (0.04, 1.9)}[deployment.prefill]
+        attainment, late = by_prefill[deployment.prefill]
         return SimpleNamespace(attainment=attainment, ttft=SimpleNamespace(p90=late * SLO.ttft_s),
                                tpot=SimpleNamespace(p90=0.0))
 
     monkeypatch.setattr(balancer_module, "simulate", simulate)
+
+
+def test_where_every_split_fails_most_requests_the_one_attaining_far_more_still_wins(monkeypatch):
+    """1P+2D is predicted 21% and sixteen times late (prompts slowed by the streams), 2P+1D 4% and twice late:
+    attainment that far apart is not noise, and 1P+2D stays."""
+    predicted_as(monkeypatch, {1: (0.21, 15.7), 2: (0.04, 1.9)})
     signals = Signals(57, 66, 660, 1.0, 10, 12, 1, 2)
     got = predict_splits(PROFILE, PROFILE.serving_overheads(), signals, SLO, 1, 8, 30)
     assert got.best == (1, 2)
@@ -460,12 +465,7 @@ def test_where_every_split_fails_most_requests_a_point_of_attainment_does_not_ou
         monkeypatch):
     """Long prompts queue behind the streams of a decode-heavy phase: 1P+2D is predicted 1% and nine times late,
     2P+1D 0% and three and a half times late. The balancer moves to 2P+1D, at once."""
-    def simulate(costs, deployment, *args, **kwargs):
-        attainment, late = {1: (0.01, 8.6), 2: (0.0, 3.5)}[deployment.prefill]
-        return SimpleNamespace(attainment=attainment, ttft=SimpleNamespace(p90=late * SLO.ttft_s),
-                               tpot=SimpleNamespace(p90=0.0))
-
-    monkeypatch.setattr(balancer_module, "simulate", simulate)
+    predicted_as(monkeypatch, {1: (0.01, 8.6), 2: (0.0, 3.5)})
     signals = Signals(48, 1400, 16, 0.3, 12, 22, 1, 2)
     got = predict_splits(PROFILE, PROFILE.serving_overheads(), signals, SLO, 1, 8, 30)
     assert got.predicted[(1, 2)] > got.predicted[(2, 1)] and got.best == (2, 1)

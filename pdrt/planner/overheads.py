@@ -4,8 +4,8 @@ A node of one prefill and two decode workers (a thread each, none lent to
 another, and no prompt prefilled on a decode worker: the simulator models
 neither, and a decode worker stepping with an idle prefill worker's thread
 too puts OpenMP's waits on an oversubscribed host into the steps measured)
-serves, over pdrt's native protocol, prompts of PROMPT tokens. Against the cost model of
-the same machine:
+serves, over pdrt's native protocol, prompts of PROMPT tokens. Against the
+cost model of the same machine:
 
 * one request at a time (each sent after the last has ended), answers of
   ANSWER tokens: the median gap between two tokens of a stream, less the
