@@ -235,7 +235,7 @@ def calibrate(workdir: Path, model: str, slo: Slo, phase_s: float, seed: int,
 def between(failed_above: int, held: int) -> int:
     """The index of the middle rung of those above rung `failed_above` up to rung `held` (the lower one of two
     in the middle: the one made for it holds it with the more room); `held` itself when there is none."""
-    return max(0, (failed_above + 1 + held) // 2) if held > failed_above else max(0, held)
+    return (failed_above + 1 + held) // 2 if held > failed_above else max(0, held)
 
 
 def holds_alone(address: str, name: str, phase: str, phase_s: float, seed: int, lengths: tuple[int, int, int, int],
@@ -267,10 +267,14 @@ def host_slo(profile: Profile, lengths: tuple[int, int, int, int], ttft_s: float
     """The SLOs given, or SLO_SCALE times what a request takes alone on this host by the profile: a prefill-heavy
     prompt (TTFT), a decode step of one decode-heavy stream with what serving adds to it (TPOT)."""
     costs, overheads = profile.cost_model(), profile.serving_overheads()
-    prompt_s = costs.prefill_s(lengths[0], 0, DEVICES["prefill_threads"])
     step_s = (costs.decode_step_s(1, lengths[2], DEVICES["decode_threads"]) + overheads.step_overhead_s
               + overheads.decode_seq_s)
-    return Slo(ttft_s or round(SLO_SCALE * prompt_s, 2), tpot_s or round(SLO_SCALE * step_s, 4))
+    return Slo(ttft_s or round(SLO_SCALE * long_prompt_s(profile, lengths), 2), tpot_s or round(SLO_SCALE * step_s, 4))
+
+
+def long_prompt_s(profile: Profile, lengths: tuple[int, int, int, int]) -> float:
+    """What the profile says a prefill-heavy prompt takes on a prefill worker's threads."""
+    return profile.cost_model().prefill_s(lengths[0], 0, DEVICES["prefill_threads"])
 
 
 def predicted_attainment(profile: Profile, name: str, requests, slo: Slo, speed: tuple[float, float] = (1.0, 1.0)
@@ -319,7 +323,7 @@ def main() -> None:
     if args.rate is None or args.long_answer is None:
         if args.rate is not None or args.long_answer is not None:
             parser.error("--rate and --long-answer go together: each is calibrated for the other")
-        prompt_s = profile.cost_model().prefill_s(lengths[0], 0, DEVICES["prefill_threads"])
+        prompt_s = long_prompt_s(profile, lengths)
         rates = tuple(round(r / prompt_s, 3) for r in RATE_LADDER)
         args.rate, args.long_answer = calibrate(workdir, model, slo, args.phase_s, args.seed, lengths, rates)
         lengths = lengths[:3] + (args.long_answer,)
