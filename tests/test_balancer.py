@@ -220,8 +220,12 @@ def test_a_node_moves_a_decode_worker_to_prefill_under_long_prompts(model_dirs, 
                 await asyncio.gather(watch(), *(prompts(client, k) for k in range(LONG_PROMPT_CLIENTS)))
 
         asyncio.run(load())
-        wait_for(lambda: sorted(w.role for w in node_status(node).workers) == ["decode", "prefill", "prefill"],
-                 timeout_s=20, interval_s=0.5)
+        try:
+            wait_for(lambda: sorted(w.role for w in node_status(node).workers) == ["decode", "prefill", "prefill"],
+                     timeout_s=20, interval_s=0.5)
+        except AssertionError:  # say what the balancer saw and decided last
+            said = [line for line in summary_lines(scrape(node)[1]) if line.startswith(("balancer", "last role"))]
+            raise AssertionError(f"no decode worker moved to prefill; {said}") from None
         lines = wait_for(lambda: [line for line in summary_lines(scrape(node)[1])
                                   if line.startswith("last role change: decode-") and "-> prefill" in line],
                          timeout_s=10, interval_s=0.5)
@@ -272,7 +276,8 @@ def test_prompts_slower_than_the_profile_make_prefill_workers_worth_more():
 
     as_profiled = predict_splits(PROFILE, overheads, load(512, 1.0), SLO, 1, 8, 30)
     slow = predict_splits(PROFILE, overheads, load(512, 2.0), SLO, 1, 8, 30)
-    assert as_profiled.prefill_slowdown == 1.0 and as_profiled.best == (1, 2)
+    assert as_profiled.prefill_slowdown == 1.0  # 1P+2D holds: nothing gains the margin on it
+    assert max(as_profiled.predicted.values()) - as_profiled.predicted[(1, 2)] < MARGIN
     assert slow.prefill_slowdown == pytest.approx(2.0)
     assert slow.best == (2, 1) and slow.predicted[(2, 1)] - slow.predicted[(1, 2)] > 0.2
     # Steps of short prompts are mostly fixed cost: they say nothing of the prompts' speed.

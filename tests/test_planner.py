@@ -118,6 +118,14 @@ def test_a_prefill_worker_yields_contended_cores_as_its_niceness_says():
     assert even.first_token - 0.01 == pytest.approx(2 * 11e-3, rel=0.1)  # an even share: half the core
 
 
+def test_a_prefill_worker_takes_a_short_prompt_before_a_long_one_that_waited_as_long():
+    # As pdrt's engine on a CPU (pdrt/engine/prompt_order.py): the highest response ratio first, not arrival order.
+    requests = [(0.0, RequestShape(1000, 2)), (0.001, RequestShape(1000, 2)), (0.002, RequestShape(10, 2))]
+    first, long, short = Simulation(COSTS, Deployment(prefill=1, decode=1), cores=2).run(requests)
+    assert short.first_token == pytest.approx(first.first_token + 1e-3 + 1e-5 * 10)
+    assert long.first_token == pytest.approx(short.first_token + 11e-3)
+
+
 def test_a_prompt_crawling_at_niceness_10_takes_the_cpu_back_once_its_first_token_is_late():
     requests = [(0.0, RequestShape(4, 200)), (0.01, RequestShape(1000, 2))]  # the stream decodes throughout
     slo = 0.1  # late after 50 ms; the prompt alone takes 11 ms

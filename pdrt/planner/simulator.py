@@ -2,9 +2,11 @@
 
 What it models, as pdrt runs (docs/architecture.md):
 
-* a prefill worker takes prompts first come, first served, one at a time
-  (on a CPU a step's time grows with its tokens, so pdrt runs prompts one by
-  one); the first token leaves at the end of the prompt's step; its KV then
+* a prefill worker takes prompts one at a time (on a CPU a step's time
+  grows with its tokens, so pdrt runs prompts one by one), in the order its
+  engine would (the highest response ratio first, pdrt/engine/prompt_order.py:
+  a short prompt passes long ones that waited as long); the first token
+  leaves at the end of the prompt's step; its KV then
   moves to the decode worker with the fewest streams, taking
   `handoff_s` plus its bytes over `transfer_bytes_per_s`;
 * a decode worker runs continuous batching: each step decodes every stream
@@ -49,8 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from pdrt.bench.workloads import RequestShape
+from pdrt.engine.prompt_order import default_order
 from pdrt.planner.cost_model import CostModel
-from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, PREFILL_NICE, catches_up
+from pdrt.worker_profile import CATCH_UP_LATE, CATCH_UP_WAIT, CPU_PROMPT_BATCH, PREFILL_NICE, catches_up
 
 NICE_STEP = 1.25  # the kernel's weight of a process falls this much for each step of niceness
 
@@ -96,7 +99,7 @@ class Overheads:
                             for f in fields(self)})
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: a request is itself, not its figures
 class SimRequest:
     index: int
     arrival: float
@@ -106,6 +109,7 @@ class SimRequest:
     finished: float | None = None
     prefilled: int = 0  # prompt tokens computed (colocated chunks)
     decoded: int = 0  # output tokens after the first
+    queued_at: int = 0  # its prefill worker's clock when it was queued
 
     @property
     def context(self) -> int:
@@ -116,7 +120,7 @@ class SimRequest:
         return self.decoded >= self.shape.output_tokens - 1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Worker:
     kind: str
     threads: int
@@ -128,6 +132,7 @@ class _Worker:
     outputs: deque = field(default_factory=deque)  # a frontend's: (CPU seconds, [(request, is first, is last)])
     cores: float = 1.0  # what it keeps busy while it works
     weight: float = 1.0  # its share of contended cores against the others'
+    work_done: int = 0  # a prefill worker's clock: prompt tokens it has computed (the engine's scheduler's)
 
 
 class Simulation:
@@ -141,6 +146,7 @@ class Simulation:
                         + [_Worker("colocated", d.threads) for _ in range(d.colocated)])
         if not self.workers or (d.prefill and not d.decode) or (d.decode and not d.prefill):
             raise ValueError(f"{d.describe()} cannot serve requests")
+        self.prompt_order = default_order(CPU_PROMPT_BATCH)  # a CPU prefill worker's, prompts one by one
         self.nice_weight = NICE_STEP ** -d.prefill_nice  # a prefill worker's weight against the others'
         for w in self.workers:
             w.cores = model.parallelism(w.threads)
@@ -166,6 +172,7 @@ class Simulation:
         workers = [w for w in self.workers if w.kind == kind]
         target = min(workers, key=lambda w: (sum(r.shape.input_tokens - r.cached for r in w.queue)
                                              + (w.work_left > 0) * 1e-3, len(w.running)))
+        req.queued_at = target.work_done
         target.queue.append(req)
         if kind == "prefill" and self.late_s is not None:
             self._timer(self.now + self.late_s, ("late", (target, req)))
@@ -201,7 +208,10 @@ class Simulation:
                     w.weight = self.nice_weight
             if not w.queue:
                 return
-            req = w.queue.popleft()
+            req = min(w.queue, key=lambda r: self.prompt_order.key(w.work_done - r.queued_at,
+                                                                   r.shape.input_tokens - r.cached))
+            w.queue.remove(req)
+            w.work_done += req.shape.input_tokens - req.cached
             w.step = ("prefill", req)
             w.work_left = self.model.prefill_s(req.shape.input_tokens - req.cached, req.cached, t)
         else:
