@@ -45,8 +45,8 @@ split is predicted to miss the SLOs for most requests (below URGENT), the
 one predicted to serve them soonest (the worse of TTFT p90 and TPOT p90,
 each over its SLO: its lateness) if it attains within MARGIN of the most;
 a backlog that no split clears within the horizon predicts a few percent
-for all, and the split that drains it fastest is still the one to be in. It moves one worker toward the best
-split when all of these hold:
+for all, and the split that drains it fastest is still the one to be in.
+It moves one worker toward the best split when all of these hold:
 
 * the best split beats the current one by MARGIN of predicted attainment,
   or, where the current one is predicted to miss the SLOs for most

@@ -112,6 +112,11 @@ class SimRequest:
     queued_at: int = 0  # its prefill worker's clock when it was queued
 
     @property
+    def work(self) -> int:
+        """Prompt tokens to compute: those past its cached prefix."""
+        return self.shape.input_tokens - self.cached
+
+    @property
     def context(self) -> int:
         return self.shape.input_tokens + 1 + self.decoded
 
@@ -170,7 +175,7 @@ class Simulation:
             req.cached = min(previous[1], req.shape.input_tokens - 1) // BLOCK * BLOCK
         kind = "colocated" if self.deployment.colocated else "prefill"
         workers = [w for w in self.workers if w.kind == kind]
-        target = min(workers, key=lambda w: (sum(r.shape.input_tokens - r.cached for r in w.queue)
+        target = min(workers, key=lambda w: (sum(r.work for r in w.queue)
                                              + (w.work_left > 0) * 1e-3, len(w.running)))
         req.queued_at = target.work_done
         target.queue.append(req)
@@ -208,12 +213,11 @@ class Simulation:
                     w.weight = self.nice_weight
             if not w.queue:
                 return
-            req = min(w.queue, key=lambda r: self.prompt_order.key(w.work_done - r.queued_at,
-                                                                   r.shape.input_tokens - r.cached))
+            req = min(w.queue, key=lambda r: self.prompt_order.key(w.work_done - r.queued_at, r.work))
             w.queue.remove(req)
-            w.work_done += req.shape.input_tokens - req.cached
+            w.work_done += req.work
             w.step = ("prefill", req)
-            w.work_left = self.model.prefill_s(req.shape.input_tokens - req.cached, req.cached, t)
+            w.work_left = self.model.prefill_s(req.work, req.cached, t)
         else:
             chunks = []
             if w.kind == "colocated":
