@@ -7,6 +7,8 @@ belongs to the one class that defines it; subclasses that only narrow where
 an error comes from inherit theirs.
 """
 
+import functools
+
 
 class PdrtError(Exception):
     """Base of all pdrt errors."""
@@ -112,6 +114,20 @@ class WorkerLostError(PdrtError):
     code = "worker_lost"
 
 
+class StepFailedError(PdrtError):
+    """An engine step raised, and this request is the one to blame (it raised again in a step of its own). The
+    gateway tries it on another worker; on the second worker it failed on, the request ends with this error."""
+
+    code = "step_failed"
+
+
+class GatewayLostError(UnavailableError):
+    """The gateway a request was open on was lost, and the request could not go on on another (not streamed, not
+    seeded, cancelled, or resumed too often): whatever it would have produced is lost with it."""
+
+    code = "gateway_lost"
+
+
 class RoleChangedError(PdrtError):
     """The worker a request ran on serves another role now: the request goes on elsewhere (internal: the gateway
     retries it, and a client never sees this code)."""
@@ -163,6 +179,7 @@ class UnsupportedVersionError(ProtocolError):
     code = "unsupported_version"
 
 
+@functools.cache
 def error_classes() -> dict[str, type[PdrtError]]:
     """Every code and the class that defines it."""
     classes: dict[str, type[PdrtError]] = {}
@@ -173,3 +190,13 @@ def error_classes() -> dict[str, type[PdrtError]]:
         if "code" in vars(cls):
             classes.setdefault(cls.code, cls)
     return classes
+
+
+def error_for(code: str, message: str) -> PdrtError:
+    """The error that `code` stands for, with `.code` exactly `code` (one no class defines is a `ServerError`)."""
+    cls = error_classes().get(code)
+    if cls is None:
+        return ServerError(code, message)
+    exc = cls(message)
+    exc.code = code  # an instance attribute, so "handshake_required" stays itself on a ProtocolError
+    return exc

@@ -101,6 +101,7 @@ class GatewayConfig(_Table):
     api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
     enabled: bool = True
     max_open_requests: Positive = 1024
+    max_request_failures: Positive = 2  # a request whose workers died or failed it this many times ends with the error
     ttft_slo_s: Seconds = 1.0  # a request meets its SLOs with its first token within this many seconds
     tpot_slo_s: Seconds = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 EXIT_PERMANENT = 2  # an error that a restart cannot mend: the config, or a model that cannot load
+FAILURE, SERVING = "failure", "serving"  # the marks a process leaves in its run directory (_leave_mark)
 MAX_CAUSE_CHARS = 1000
 
 
@@ -87,27 +88,29 @@ async def serve(config: NodeConfig, name: str, run_id: str) -> None:
         if role == "controller":
             from pdrt.control_plane.controller import Controller
 
-            await Controller(config, ctx).serve(stop)
+            actor = Controller(config, ctx)
         elif role == "gateway":
             from pdrt.roles.gateway import Gateway
 
-            await Gateway(config, name, incarnation, ctx).serve(stop)
+            actor = Gateway(config, name, incarnation, ctx)
         else:
-            worker = _worker(config, name, role, incarnation, ctx, run_id)
-            _place(config, name, borrows=worker.ledger is not None and worker.ledger.borrow)
-            worker.take_priority()
-            await worker.serve(stop)
+            actor = _worker(config, name, role, incarnation, ctx, run_id)
+            _place(config, name, borrows=actor.ledger is not None and actor.ledger.borrow)
+            actor.take_priority()
+        _leave_mark(name, SERVING, incarnation)
+        await actor.serve(stop)
     finally:
         ctx.destroy(linger=0)
     log.info("process stopped", process=name)
 
 
-def _leave_cause(name: str, cause: str) -> None:
-    """Write why this process cannot start where its supervisor reads it (the run directory), if it has one."""
+def _leave_mark(name: str, kind: str, text: str) -> None:
+    """Leave `text` where this process's supervisor reads it (the run directory), if it has one: why it cannot
+    start (FAILURE), or the incarnation that started serving (SERVING)."""
     run_dir = os.environ.get("PDRT_RUN_DIR")
     if run_dir:
         try:
-            Path(run_dir, f"{name}.failure").write_text(" ".join(cause.split())[:MAX_CAUSE_CHARS])  # one line
+            Path(run_dir, f"{name}.{kind}").write_text(text)
         except OSError:
             pass
 
@@ -129,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         run(serve(config, name, os.environ.get("PDRT_RUN_ID", "local")))
     except (ConfigError, ModelLoadError) as exc:  # retrying cannot help (neither pdrt up nor systemd retries 2)
         log.error("process cannot start", process=name, code=exc.code, error=str(exc))
-        _leave_cause(name, f"{exc.code}: {exc}")
-        return EXIT_PERMANENT
+        _leave_mark(name, FAILURE, " ".join(f"{exc.code}: {exc}".split())[:MAX_CAUSE_CHARS])  # one line
+        # Out at once: tearing down an interpreter with a model loaded takes a second, and `pdrt up` waits for
+        # the exit to tell its cause. Nothing is left to save (no request was taken); the kernel frees the rest.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PERMANENT)
     except PdrtError as exc:
         log.error("process failed", process=name, code=exc.code, error=str(exc))
         return 1

@@ -64,7 +64,8 @@ class Generate(msgspec.Struct, **_struct("generate")):
     so that a warmup of that session can prefill the conversation so far.
     `continuation` resumes a streamed request whose gateway was lost: the
     tokens it had streamed so far, from which this gateway goes on (with the
-    same seed, the output equals an unbroken run's).
+    same seed, the output equals an unbroken run's); `continuation_logprobs`
+    their log-probabilities, for a request that asked for them.
     """
 
     request_id: str
@@ -76,6 +77,7 @@ class Generate(msgspec.Struct, **_struct("generate")):
     timeout_s: float | None = None
     session_id: str = ""
     continuation: list[int] | None = None
+    continuation_logprobs: list[float] | None = None
 
 
 class Cancel(msgspec.Struct, **_struct("cancel")):
@@ -290,10 +292,15 @@ class ClusterView(msgspec.Struct, **_struct("cluster_view")):
 
 
 class ProcessLost(msgspec.Struct, **_struct("process_lost")):
-    """The controller declared this incarnation dead (lease missed or replaced)."""
+    """The controller declared this incarnation dead (lease missed, exited or replaced): its inbox `address`,
+    and whether its supervisor saw it `exited` (a frozen one may wake). Gateways hear of every lost worker;
+    workers hear of every lost process: a lost gateway's requests are dropped, and the KV handed to a decode
+    worker that exited is freed."""
 
     process_id: str
     incarnation: str
+    address: str = ""
+    exited: bool = False
 
 
 class ProcessExited(msgspec.Struct, **_struct("process_exited")):
@@ -415,6 +422,13 @@ class Withdraw(msgspec.Struct, **_struct("withdraw")):
     reply_to: str
 
 
+class GatewayBack(msgspec.Struct, **_struct("gateway_back")):
+    """Gateway -> worker: this gateway, declared lost while it was frozen, serves again from its inbox at
+    `address`; its requests from here on are new (the ones before were dropped, and it sends them again)."""
+
+    address: str
+
+
 class Withdrawn(msgspec.Struct, **_struct("withdrawn")):
     """Prefill worker -> gateway: `withdrawn` when the request was dropped there unstarted, else it stays."""
 
@@ -457,7 +471,7 @@ class MetricsView(msgspec.Struct, **_struct("metrics_view")):
 
 InternalMessage = (Register | Registered | Heartbeat | Goodbye | ClusterView | ProcessLost | ProcessExited
                    | ChangeRole | RoleChanged | ShedStreams | SetRole | PrefillRequest | DraftUpdate | DraftSubmitted
-                   | KVHandoff | KVAck | Abort | Withdraw | Withdrawn
+                   | KVHandoff | KVAck | Abort | Withdraw | Withdrawn | GatewayBack
                    | StepOutputs | RequestFailed | Error | MetricsReport | MetricsView)
 
 client_request_decoder = msgspec.msgpack.Decoder(ClientRequest)

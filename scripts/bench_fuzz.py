@@ -9,7 +9,12 @@ without the key, with another key, and with the key) while a well-behaved
 client checks that its greedy answers stay those of an undisturbed run.
 The last line:
 
-    fuzz inputs=N crashes=C hangs=H lost=L unauthenticated_accepted=U rss_growth_mb=M
+    fuzz inputs=N crashes=C hangs=H lost=L unauthenticated_accepted=U rss_growth_mb=M stall_max_ms=S valid_hostile=V
+
+where S is the longest wait between two frames of the well-behaved client's
+streams while the fuzz ran, and V the valid but hostile requests among the
+inputs (every field at its limit; floods of drafts, warmups, sessions,
+continuations and handshakes; cancels that cross a handoff).
 """
 
 import argparse
@@ -47,6 +52,9 @@ def main() -> None:
     print("resident memory growth, MiB:", json.dumps(report.rss_growth_by_process))
     print(f"http 500s {report.server_errors}, well-behaved requests {report.sentinel_requests}, insider frames "
           f"undelivered {report.undelivered}")
+    print(f"valid hostile requests answered with errors: {json.dumps(report.refusals)}; the well-behaved client's "
+          f"longest wait for a first frame {report.first_frame_max_ms:.0f} ms, between frames "
+          f"{report.stall_max_ms:.0f} ms")
     print(report.line())
 
 

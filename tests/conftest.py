@@ -1,15 +1,28 @@
-"""Shared fixtures: tiny real checkpoints, prompts of mixed lengths and transformers' own greedy outputs."""
+"""Shared fixtures: tiny real checkpoints, prompts of mixed lengths and transformers' own greedy outputs; a gateway's
+request table over worker inboxes that never answer."""
 
 import inspect
+from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdrt.engine import EngineConfig, LLMEngine
 from pdrt.engine.model_loader import LoadedModel, load_model
+from pdrt.node_config import NodeConfig
+from pdrt.roles.messaging import Outbox
+from pdrt.roles.request_table import RequestTable
+from pdrt.roles.router import Router
+from pdrt.testing.node import free_port
 from pdrt.testing.tiny_model import build_tiny_model
+from pdrt.typeahead.draft_book import DraftBook
+from pdrt.warmup.warmups import Warmups
+from pdrt.wire import Load, WorkerInfo, internal_decoder
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 33, 64, 100, 127, 200, 256, 401, 513, 700, 1000, 1100]
 MAX_NEW_TOKENS = 12
@@ -87,3 +100,53 @@ def client(node):
     c = RawClient(node.address)
     yield c
     c.close()
+
+
+@pytest.fixture
+def workers():
+    """A prefill and a decode worker's inboxes that read what the gateway sends and never answer."""
+    ctx = zmq.Context()
+    inboxes = {}
+    for role in ("prefill", "decode"):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)  # every wait has a timeout
+        address = f"tcp://127.0.0.1:{free_port()}"
+        sock.bind(address)
+        inboxes[role] = (WorkerInfo(f"{role}-0", "i1", role, address, Load(num_free_blocks=100)), sock)
+    yield inboxes
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def table(model_dirs, tokenizer, workers):
+    """A gateway's request table routing to `workers`; what it sends its clients is in `table.replies`."""
+    config = NodeConfig.from_json(msgspec.json.encode({"model": str(model_dirs["llama"])}))
+    ctx = zmq.asyncio.Context()
+    router = Router()
+    router.update([info for info, _ in workers.values()])
+    outbox = Outbox(ctx, "gateway-0")
+    counters: Counter[str] = Counter()
+    x = config.experimental
+    ids = iter(range(1 << 30))
+
+    def new_id() -> str:
+        return f"gateway-0:{next(ids)}"
+
+    drafts = DraftBook(tokenizer, 1 << 16, 2048, router, outbox, "prefill", x.max_drafts, x.draft_ttl_s, new_id,
+                       counters)
+    warmups = Warmups(x.warmup_max_reservations, x.warmup_ttl_s, tokenizer, 2048, router, outbox, "prefill", new_id,
+                      counters)
+    replies: list[msgspec.Struct] = []
+    made = RequestTable(config, tokenizer, router, outbox, "tcp://127.0.0.1:1", drafts, warmups,
+                        lambda _, frames: replies.extend(frames), "gateway-0")
+    made.replies = replies
+    yield made
+    for sock in outbox.sockets.values():
+        sock.close(linger=0)
+    ctx.destroy(linger=0)
+
+
+def received(sock: zmq.Socket) -> msgspec.Struct:
+    """The next internal message a worker inbox of `workers` got."""
+    _, payload = sock.recv_multipart()
+    return internal_decoder.decode(payload)

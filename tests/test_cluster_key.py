@@ -14,9 +14,10 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from pdrt.actors import run
-from pdrt.actors.cluster_key import ClusterKey, zap_handler
+from pdrt.actors.cluster_key import ZAP_DOMAIN, ClusterKey, zap_handler
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.errors import ConfigError, TransferError
 from pdrt.node_config import NodeConfig
@@ -35,6 +36,83 @@ def test_a_key_is_40_characters_of_z85_and_a_config_refuses_anything_else():
         with pytest.raises(ConfigError):
             NodeConfig(model="/m", cluster_key=bad)
     assert NodeConfig(model="/m", cluster_key=KEY.text).key == KEY
+
+
+def curve_server(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
+    """A ROUTER under KEY bound on a free loopback port, and its address; it waits at most a second for a message."""
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.setsockopt(zmq.RCVTIMEO, 1000)
+    KEY.secure(server, server=True)
+    server.bind("tcp://127.0.0.1:*")
+    return server, server.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def curve_client(ctx: zmq.Context, address: str, key: ClusterKey | None) -> zmq.Socket:
+    """A DEALER that connects to `address`: under `key`, or knowing only the server's public key (None)."""
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    if key is not None:
+        key.secure(client, server=False)
+    else:
+        client.curve_publickey, client.curve_secretkey = zmq.curve_keypair()
+        client.curve_serverkey = KEY.public
+    client.connect(address)
+    return client
+
+
+def gets_through(server: zmq.Socket, client: zmq.Socket) -> bool:
+    client.send(b"hello")
+    try:
+        return server.recv_multipart()[-1] == b"hello"
+    except zmq.Again:
+        return False
+
+
+def test_a_key_holder_gets_through_and_a_client_that_knows_only_the_public_key_does_not():
+    ctx = zmq.Context()
+    try:
+        server, address = curve_server(ctx)
+        assert gets_through(server, curve_client(ctx, address, KEY))
+        assert not gets_through(server, curve_client(ctx, address, None))
+        assert zap_handler(ctx).num_refused >= 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_server_whose_zap_handler_died_refuses_every_client():
+    """libzmq skips ZAP when no handler is bound, unless the server enforces its domain: then it must fail closed."""
+    ctx = zmq.Context()
+    try:
+        server, address = curve_server(ctx)
+        handler = zap_handler(ctx)
+
+        def fail(request: list[bytes]) -> list[bytes]:
+            raise zmq.ZMQError(zmq.EFAULT)
+
+        handler._answer = fail  # the handler's own error path: it logs, closes its socket and ends
+        trigger = curve_client(ctx, address, KEY)  # held: a collected socket closes before its handshake
+        handler.thread.join(timeout=5)
+        assert not handler.thread.is_alive()
+        trigger.close()
+
+        assert not gets_through(server, curve_client(ctx, address, None))
+        assert not gets_through(server, curve_client(ctx, address, KEY))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_zap_handler_refuses_a_request_for_another_domain():
+    ctx = zmq.Context()
+    try:
+        curve_server(ctx)
+        handler = zap_handler(ctx)
+        member = z85.decode(KEY.public)
+        ours = handler._answer([b"1.0", b"1", ZAP_DOMAIN, b"127.0.0.1", b"", b"CURVE", member])
+        theirs = handler._answer([b"1.0", b"2", b"global", b"127.0.0.1", b"", b"CURVE", member])
+        assert ours[2] == b"200" and theirs[2] == b"400"
+    finally:
+        ctx.destroy(linger=0)
 
 
 async def inbox_hears(senders: Senders, send: Callable[[zmq.asyncio.Context, str], Awaitable[list[zmq.Socket]]]

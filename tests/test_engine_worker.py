@@ -1,5 +1,5 @@
-"""A worker survives whatever reaches it between two engine steps: an abort of a request its step just finished,
-an op that raises something no one planned for."""
+"""A worker survives whatever reaches it between two engine steps (an abort of a request its step just finished,
+an op that raises something no one planned for) and a step that raises for one request."""
 
 import asyncio
 
@@ -49,3 +49,47 @@ def test_an_abort_of_a_request_its_last_step_just_finished_and_a_failing_op_leav
     outputs, failures = asyncio.run(exercise(str(model_dirs["llama"]), prompts[5]))
     assert [o.finished for o in outputs] == [True]
     assert [(f.request_id, f.code) for f in failures if isinstance(f, RequestFailed)] == [("boom", "internal")]
+
+
+async def serve_with_a_poisoned_request(model: str, prompts: list[list[int]]) -> tuple[dict, list, bool]:
+    config = NodeConfig.from_json(msgspec.json.encode({"model": model, "engine": {"kv_cache_bytes": 16 << 20}}))
+    ctx = zmq.asyncio.Context()
+    gateway = ctx.socket(zmq.ROUTER)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    gateway.bind(address)
+    worker = ColocatedWorker(config, "colocated-0", "test", ctx)
+    run = worker.engine.runner.run
+
+    def run_or_raise(batch):  # a fault no real input reaches: the model raises whenever "poison" is in a step
+        if any(seq.request_id == "poison" for seq in batch.sequences()):
+            raise RuntimeError("injected")
+        return run(batch)
+
+    worker.engine.runner.run = run_or_raise
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    finished: dict[str, bool] = {}
+    failures = []
+    try:
+        for rid, prompt in [("a", prompts[3]), ("poison", prompts[4]), ("b", prompts[5])]:
+            await worker.on_receive(PrefillRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=8),
+                                                   address))
+        async with asyncio.timeout(60):
+            while len(finished) + len(failures) < 3:
+                message = internal_decoder.decode((await gateway.recv_multipart())[1])
+                if isinstance(message, RequestFailed):
+                    failures.append(message)
+                else:
+                    finished.update((out.request_id, True) for out in message.outputs if out.finished)
+        return finished, failures, not serving.done()
+    finally:
+        stop.set()
+        await serving
+        gateway.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_step_that_raises_for_one_request_fails_it_retryably_and_the_worker_serves_the_rest(model_dirs, prompts):
+    finished, failures, serving = asyncio.run(serve_with_a_poisoned_request(str(model_dirs["llama"]), prompts))
+    assert finished == {"a": True, "b": True} and serving
+    assert [(f.request_id, f.code, f.retryable) for f in failures] == [("poison", "step_failed", True)]

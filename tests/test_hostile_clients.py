@@ -13,7 +13,7 @@ import torch
 
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.testing.node import Node, free_port
-from pdrt.wire import Cancel, Error, Generate, Tokens
+from pdrt.wire import Cancel, ChatMessage, Error, Generate, Tokens
 from tests.system_client import RawClient
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -95,6 +95,11 @@ def test_an_empty_conversation_and_a_deeply_nested_frame_get_typed_errors(client
     assert isinstance(empty, Error) and (empty.code, empty.request_id) == ("invalid_request", "empty")
     deep = client.ask(b"\x93\xa8generate\xa4deep" + b"\x91" * 100_000 + b"\xc0")
     assert isinstance(deep, Error) and deep.code == "invalid_frame"
+
+
+def test_a_conversation_of_more_messages_than_the_context_holds_is_refused_before_it_is_rendered(client):
+    many = client.ask(Generate("many", messages=[ChatMessage("u", "")] * 200_000))  # each is at least a token
+    assert isinstance(many, Error) and (many.code, many.request_id) == ("prompt_too_long", "many")
 
 
 def test_a_prompt_the_context_could_never_hold_is_refused_before_it_is_tokenized(node, client):

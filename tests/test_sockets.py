@@ -8,6 +8,7 @@ import zmq.asyncio
 
 from pdrt.actors import run
 from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
+from pdrt.errors import ConfigError
 
 
 def test_router_and_dealers_round_trip_by_identity():
@@ -52,11 +53,11 @@ def test_push_pull_carries_zero_copy_frames():
     run(main())
 
 
-def test_binding_a_taken_address_fails_and_leaks_no_socket():
+def test_binding_a_taken_address_fails_as_a_config_error_and_leaks_no_socket():
     async def main():
         ctx = zmq.asyncio.Context()
         first = make_socket(ctx, SocketSpec(zmq.ROUTER, "tcp://127.0.0.1:*", bind=True))
-        with pytest.raises(zmq.ZMQError):
+        with pytest.raises(ConfigError, match="in use"):
             make_socket(ctx, SocketSpec(zmq.ROUTER, bound_address(first), bind=True))
         first.close()
         ctx.term()  # would block if the failed socket had been left open

@@ -139,11 +139,11 @@ def test_a_draft_model_proposes_and_the_output_equals_generate(make_engine, refe
     assert spec.num_proposed > 0 and spec.num_accepted >= 0.9 * spec.num_proposed
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused(make_engine, model_dirs):
-    from pdrt.errors import InvalidRequestError
+def test_a_draft_model_of_another_vocabulary_is_refused_as_a_config_no_restart_mends(make_engine, model_dirs):
+    from pdrt.errors import ConfigError
     from pdrt.testing.tiny_model import build_tiny_model
 
-    with pytest.raises(InvalidRequestError, match="vocabulary"):
+    with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(speculate=str(build_tiny_model(model_dirs["llama"].parent / "v512", vocab_size=512)))
 
 

@@ -46,7 +46,10 @@ def on_term(signum, frame):
 signal.signal(signal.SIGTERM, on_term)
 open("/dev/shm/" + prefix + str(os.getpid()), "w").close()
 record("start")
-if behaviour == "crash":
+if behaviour == "served-crash":  # got as far as serving, as pdrt.process marks it, then crashed
+    with open(os.path.join(os.environ["PDRT_RUN_DIR"], name + ".serving"), "w") as f:
+        f.write(os.environ["PDRT_INCARNATION"])
+if behaviour in ("crash", "served-crash"):
     time.sleep(0.05)
     sys.exit(1)
 if behaviour.startswith("live:"):
@@ -71,7 +74,7 @@ def read_events(path: Path) -> list[dict]:
 
 
 def commands(log_path: Path, behaviours: dict[str, str] | None = None) -> Callable[[str], list[str]]:
-    """Every process a sleeper unless `behaviours` says "crash", "stubborn" or "live:<seconds>"."""
+    """Every process a sleeper unless `behaviours` says "crash", "served-crash", "stubborn" or "live:<seconds>"."""
     return lambda name: [sys.executable, "-c", CHILD, name, str(log_path), (behaviours or {}).get(name, "sleep")]
 
 
@@ -230,6 +233,19 @@ def test_process_that_stayed_up_long_enough_is_not_counted_as_a_startup_crash(ev
     assert_nothing_left(events, supervisor.run_id)
 
 
+def test_a_process_that_crashes_after_it_served_is_always_restarted(events: Path):
+    """What a request does to a worker (it crashes on it) never stops the node: only crashes before serving count."""
+    config = NodeConfig(model="unused", mode="colocated")
+    policy = RestartPolicy(first_backoff_s=0.05, max_backoff_s=0.1, stable_after_s=30.0, max_startup_crashes=2)
+    supervisor = make_supervisor(config, events, {"colocated-0": "served-crash"}, policy=policy)
+
+    assert run_until(supervisor, lambda: len(starts(events, "colocated-0")) >= 4) == 0
+
+    assert len(starts(events, "colocated-0")) >= 4
+    assert supervisor.failure is None
+    assert_nothing_left(events, supervisor.run_id)
+
+
 # -- stopping ----------------------------------------------------------------------
 
 
@@ -348,7 +364,7 @@ def fake_gateway() -> Iterator[Callable[[dict[str, bool]], FakeGateway]]:
 def test_prints_ready_once_the_gateway_reports_every_worker_alive(events: Path, fake_gateway, capsys):
     gateway = fake_gateway({"prefill-0": True, "decode-0": True})
     config = NodeConfig(model="unused", gateway=GatewayConfig(port=gateway.port))
-    supervisor = make_supervisor(config, events, ready_timeout_s=10.0)
+    supervisor = make_supervisor(config, events, ready_timeout_s=10.0, preflight=False)  # its port is the fake's
     gateway.on_full_status = supervisor.request_stop
 
     assert run_for(supervisor, 15.0) == 0
@@ -362,7 +378,7 @@ def test_prints_ready_once_the_gateway_reports_every_worker_alive(events: Path, 
 def test_readiness_timeout_names_the_workers_that_never_became_ready(events: Path, fake_gateway):
     gateway = fake_gateway({"prefill-0": True, "decode-0": False})
     config = NodeConfig(model="unused", gateway=GatewayConfig(port=gateway.port))
-    supervisor = make_supervisor(config, events, ready_timeout_s=1.0)
+    supervisor = make_supervisor(config, events, ready_timeout_s=1.0, preflight=False)
 
     assert run_for(supervisor, 15.0) == 1
 

@@ -17,6 +17,13 @@ client proves it holds the matching secret key. A peer without the key
 fails the handshake: libzmq drops the connection before a single message
 reaches the application, so nothing it sends is ever decoded.
 
+ZAP fails closed. By default libzmq consults ZAP only while a handler is
+bound, and admits every CURVE client when none is; so a server socket names
+the ZAP domain `pdrt` and sets ZMQ_ZAP_ENFORCE_DOMAIN, and a handshake
+with no handler to answer it fails. If the handler thread dies, the node
+refuses every new peer, key holders included, rather than admitting
+anyone. The handler likewise refuses a request for any other domain.
+
 The handler thread ends when its context terminates (its blocking receive
 returns ETERM), so closing or destroying a context never waits on it.
 """
@@ -34,6 +41,7 @@ from pdrt.errors import ConfigError
 log = structlog.get_logger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"pdrt"
 KEY_CHARS = 40
 
 
@@ -71,9 +79,17 @@ class ClusterKey:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
         if server:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
+            _enforce_zap(sock)
             _zap_handler(sock.context, self)
         else:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self.public)
+
+
+def _enforce_zap(sock: zmq.Socket) -> None:
+    """Make `sock` refuse a handshake that no ZAP handler admits, even when no handler is bound."""
+    # libzmq fails a handshake that finds no handler only with both set: enforcing an empty domain admits all.
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 class ZapHandler:
@@ -105,7 +121,8 @@ class ZapHandler:
     def _answer(self, request: list[bytes]) -> list[bytes]:
         # version, request id, domain, address, identity, mechanism, credentials...
         version, request_id = (request + [b"", b""])[:2]
-        admitted = len(request) == 7 and request[5] == b"CURVE" and request[6] == self.public
+        admitted = (len(request) == 7 and request[2] == ZAP_DOMAIN and request[5] == b"CURVE"
+                    and request[6] == self.public)
         if admitted:
             self.num_admitted += 1
             return [version, request_id, b"200", b"OK", b"cluster", b""]

@@ -11,17 +11,22 @@ fail fast instead of growing memory without bound). A socket with a
 heartbeat pings its peer (libzmq answers on the peer's I/O thread, whatever
 its event loop is doing) and drops the connection when the answers stop: a
 peer whose host died or froze is noticed as a disconnect, not by silence.
+An address that cannot be bound (in use, not this host's) is a `ConfigError`:
+the process cannot start, and a restart would not help.
 """
 
 import asyncio
+import errno
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from pdrt.actors.cluster_key import ClusterKey
+from pdrt.errors import ConfigError
 
 DEFAULT_HWM = 10_000
+UNBINDABLE = (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL)  # a restart does not mend these
 HEARTBEAT_MISSES = 4
 
 
@@ -57,8 +62,10 @@ def make_socket(ctx: zmq.Context, spec: SocketSpec) -> zmq.Socket:
             sock.bind(spec.address)
         else:
             sock.connect(spec.address)
-    except zmq.ZMQError:
+    except zmq.ZMQError as exc:
         sock.close()
+        if spec.bind and exc.errno in UNBINDABLE:  # another process holds the port, or it is not ours to take
+            raise ConfigError(f"cannot listen on {spec.address}: {exc.strerror}") from exc
         raise
     return sock
 

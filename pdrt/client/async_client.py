@@ -21,15 +21,16 @@ Life of a request in this client:
    Hello (it restarted) has lost what was open: the next call says Hello
    again, a request that had no reply yet is resent once (the new gateway
    never saw it), and a stream that had begun is resumed: the same request
-   with the tokens received so far as its `continuation`, so that it goes on
-   with the output it would have had (every request carries a seed).
+   with the tokens received so far (and their logprobs) as its
+   `continuation`, so that it goes on with the output it would have had
+   (every request carries a seed). A submitted draft goes again as a
+   `Generate` of its text. One that cannot go on ends with `gateway_lost`.
 
 Long because the connection's whole life is here (handshake, one reader for every stream,
 reconnection after a gateway restart); streams and drafts are their own modules.
 """
 
 import asyncio
-import random
 import time
 import uuid
 from collections import deque
@@ -43,7 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.client.async_draft import AsyncDraft
-from pdrt.client.async_stream import AsyncStream, Reply
+from pdrt.client.async_stream import AsyncStream, Reply, seeded
 from pdrt.client.completion import Completion
 from pdrt.client.error_codes import error_from_reply
 from pdrt.engine.sampling_params import SamplingParams
@@ -258,9 +259,7 @@ class AsyncClient:
                           params: SamplingParams | None, stream: bool, session_id: str = "") -> Generate:
         if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
             raise InvalidRequestError("give exactly one of prompt, messages or token_ids")
-        params = params if params is not None else SamplingParams()
-        if params.seed is None:  # so that a stream resumed on another gateway samples on as it would have
-            params = msgspec.structs.replace(params, seed=random.getrandbits(63))
+        params = seeded(params)
         return Generate(uuid.uuid4().hex, prompt=prompt,
                         messages=chat_messages(messages) if messages is not None else None,
                         token_ids=list(token_ids) if token_ids is not None else None,

@@ -12,11 +12,11 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
-from pdrt.client.async_stream import AsyncStream, Reply
+from pdrt.client.async_stream import AsyncStream, Reply, seeded
 from pdrt.client.error_codes import error_from_reply
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.errors import InvalidRequestError, PdrtError
-from pdrt.wire import ChatMessage, DraftAbandon, DraftAppend, DraftOpen, DraftReplace, DraftSubmit, Error
+from pdrt.wire import ChatMessage, DraftAbandon, DraftAppend, DraftOpen, DraftReplace, DraftSubmit, Error, Generate
 
 if TYPE_CHECKING:
     from pdrt.client.async_client import AsyncClient
@@ -77,9 +77,14 @@ class AsyncDraft:
         """The user pressed Enter: the request's output, as a stream (iterate it; a non-streamed one yields once)."""
         await self._ensure_open()
         self._end()
-        message = DraftSubmit(self.draft_id, uuid.uuid4().hex, params if params is not None else SamplingParams(),
-                              stream, timeout_s)
-        return AsyncStream(self.client, message, self.client.timeout_s if timeout_s is None else timeout_s)
+        message = DraftSubmit(self.draft_id, uuid.uuid4().hex, seeded(params), stream, timeout_s)
+        # What the submit stands for, should the gateway be lost with the draft: a generate of the final text.
+        opened = self._open_message
+        fallback = Generate(message.request_id, prompt=self.text if opened.messages is None else None,
+                            messages=None if opened.messages is None else
+                            [*opened.messages, ChatMessage("user", self.text)],
+                            params=message.params, stream=stream, timeout_s=timeout_s, session_id=opened.session_id)
+        return AsyncStream(self.client, message, self.client.timeout_s if timeout_s is None else timeout_s, fallback)
 
     async def abandon(self) -> None:
         if self._errors is not None and not self._is_over:

@@ -7,6 +7,7 @@ async_client.py for the life of a request.
 """
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,8 @@ import structlog
 
 from pdrt.client.completion import Completion
 from pdrt.client.error_codes import error_from_reply
-from pdrt.errors import ConnectionForgottenError, PdrtError, RequestTimeoutError
+from pdrt.engine.sampling_params import SamplingParams
+from pdrt.errors import ConnectionForgottenError, GatewayLostError, PdrtError, RequestTimeoutError
 from pdrt.wire import Cancel, DraftSubmit, Error, Generate, Tokens
 
 if TYPE_CHECKING:
@@ -25,6 +27,12 @@ log = structlog.get_logger(__name__)
 
 Reply = Tokens | Error | PdrtError  # what a request's queue holds; a PdrtError is a local failure
 MAX_RESUMES = 3
+
+
+def seeded(params: SamplingParams | None) -> SamplingParams:
+    """`params` with a seed of its own, so that a stream resumed on another gateway samples on as it would have."""
+    params = params if params is not None else SamplingParams()
+    return params if params.seed is not None else msgspec.structs.replace(params, seed=random.getrandbits(63))
 
 
 class AsyncStream:
@@ -37,9 +45,13 @@ class AsyncStream:
     accumulates everything received so far.
     """
 
-    def __init__(self, client: "AsyncClient", message: Generate | DraftSubmit, timeout_s: float) -> None:
+    def __init__(self, client: "AsyncClient", message: Generate | DraftSubmit, timeout_s: float,
+                 fallback: Generate | None = None) -> None:
+        """`fallback` is what a submitted draft stands for (a `Generate` of its final text): a gateway that was
+        lost took the draft with it, and a new one is sent that instead."""
         self.client = client
         self.message = message
+        self.fallback = fallback if isinstance(message, DraftSubmit) else message
         self.timeout_s = timeout_s
         self.completion = Completion(message.request_id)
         self._queue: asyncio.Queue[Reply] | None = None
@@ -76,28 +88,43 @@ class AsyncStream:
             return reply
         if isinstance(reply, ConnectionForgottenError) and self._may_resend():
             # The gateway never took this request (it restarted before): say Hello again and resend it.
-            self._is_resent, self._queue = True, None
+            self._is_resent, self._queue, self.message = True, None, self.fallback
             return await self.__anext__()
         if isinstance(reply, ConnectionForgottenError) and self._may_resume():
             # The gateway was lost with the stream begun: the restarted one goes on from the tokens received.
             self._num_resumes += 1
-            self.message = msgspec.structs.replace(self.message, continuation=list(self.completion.token_ids))
+            completion = self.completion
+            self.message = msgspec.structs.replace(
+                self.fallback, continuation=list(completion.token_ids),
+                continuation_logprobs=list(completion.logprobs or ()) if self.fallback.params.logprobs else None)
             self._queue = None
             log.info("resuming a stream on a new gateway", request_id=self.request_id,
-                     tokens=len(self.completion.token_ids))
+                     tokens=len(completion.token_ids))
             return await self.__anext__()
         self._finish()
+        if isinstance(reply, ConnectionForgottenError):
+            raise GatewayLostError(f"the gateway was lost with request {self.request_id} open, and the request "
+                                   f"cannot go on on another ({self._why_not_resumed()})")
         raise reply if isinstance(reply, PdrtError) else error_from_reply(reply)
 
     def _may_resume(self) -> bool:
-        # A submitted draft's prompt was on the lost gateway only; a non-streamed request has received nothing.
-        return isinstance(self.message, Generate) and self.message.stream and not self._is_cancel_sent \
-            and self._num_resumes < MAX_RESUMES and self.message.params.seed is not None
+        # A non-streamed request has received nothing to go on from; an unseeded one would sample anew.
+        return self.fallback is not None and self.fallback.stream and not self._is_cancel_sent \
+            and self._num_resumes < MAX_RESUMES and self.fallback.params.seed is not None
 
     def _may_resend(self) -> bool:
-        # A submitted draft cannot be resent: the restarted gateway never saw the draft.
-        return not (self._num_replies or self._is_resent or self._is_cancel_sent) \
-            and isinstance(self.message, Generate)
+        return not (self._num_replies or self._is_resent or self._is_cancel_sent) and self.fallback is not None
+
+    def _why_not_resumed(self) -> str:
+        if self._is_cancel_sent:
+            return "it was being cancelled"
+        if self.fallback is None:
+            return "a submitted draft whose text is unknown"
+        if not self.fallback.stream:
+            return "not streamed"
+        if self.fallback.params.seed is None:
+            return "sampled without a seed"
+        return f"resumed {self._num_resumes} times already"
 
     def __aiter__(self) -> AsyncIterator[Tokens]:
         return self._deltas()

@@ -8,7 +8,7 @@ still becomes a typed error, a `ServerError`. Either way `.code` is exactly
 the server's code.
 """
 
-from pdrt.errors import PdrtError, ServerError, error_classes
+from pdrt.errors import PdrtError, error_classes, error_for
 from pdrt.wire import Error
 
 ERROR_CLASSES: dict[str, type[PdrtError]] = error_classes()
@@ -16,9 +16,4 @@ ERROR_CLASSES: dict[str, type[PdrtError]] = error_classes()
 
 def error_from_reply(reply: Error) -> PdrtError:
     """The exception an `Error` frame stands for, with `.code` equal to the frame's code."""
-    cls = ERROR_CLASSES.get(reply.code)
-    if cls is None:
-        return ServerError(reply.code, reply.message)
-    exc = cls(reply.message)
-    exc.code = reply.code  # an instance attribute, so "handshake_required" stays itself on a ProtocolError
-    return exc
+    return error_for(reply.code, reply.message)

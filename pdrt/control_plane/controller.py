@@ -11,8 +11,14 @@ Life cycle of a process in the controller:
    how processes recover from a controller restart);
 3. a lease that runs out, a `ProcessExited` from the process's supervisor
    (its parent, which sees it exit at once), or a `Goodbye`, removes the
-   process; gateways get `ProcessLost` for a lost one and a fresh
-   `ClusterView` either way.
+   process; every process gets `ProcessLost` for a lost one (gateways stop
+   routing to it; workers drop a lost gateway's requests, which no client
+   can receive any more, and free KV handed to a decode worker that
+   exited), and gateways a fresh `ClusterView` either way;
+4. a process declared lost that was only frozen heartbeats again: it is
+   answered `Error(code="process_lost")` rather than `unknown_process`,
+   registers again, and drops or sends on what it held, since its peers
+   have already given it up.
 
 A restarted controller knows nobody: for one lease it learns the cluster
 from the processes that register again (they do when a heartbeat is
@@ -40,6 +46,7 @@ and sends it to the gateways (`MetricsView`) at most once a second.
 import asyncio
 import os
 import time
+from collections import OrderedDict
 
 import msgspec
 import structlog
@@ -81,6 +88,7 @@ from .registry import Entry, Registry
 log = structlog.get_logger(__name__)
 
 METRICS_VIEW_S = 1.0  # how often gateways get the merged metrics
+MAX_REMEMBERED_LOST = 4096  # incarnations declared lost, told so if they heartbeat again
 ROLES = ("gateway", "prefill", "decode", "colocated")
 SPOKEN_FOR_ONESELF = (Register, Heartbeat, Goodbye, MetricsReport, RoleChanged)
 
@@ -103,6 +111,7 @@ class Controller(Actor):
                                  config.threads_for("decode"), os.cpu_count() or 1, default_profile_path(config.model),
                                  self.metrics.registry, prefill_nice(config))
         self.balancing: asyncio.Task | None = None
+        self.declared_lost: OrderedDict[bytes, None] = OrderedDict()  # link identities
         self.streams = StreamBalance(self.registry, self._send, lambda: set(self.roles.pending), c.balance,
                                      config.gateway.tpot_slo_s, self.metrics.registry)
 
@@ -120,8 +129,12 @@ class Controller(Actor):
     def _lost(self, entry: Entry, why: str) -> None:
         log.warning("process lost", process=entry.process_id, incarnation=entry.incarnation, why=why)
         self.roles.lost(entry.process_id)
-        for gateway in self.registry.by_role("gateway"):
-            self._send(gateway.identity, ProcessLost(entry.process_id, entry.incarnation))
+        self.declared_lost[entry.identity] = None
+        while len(self.declared_lost) > MAX_REMEMBERED_LOST:
+            self.declared_lost.popitem(last=False)
+        lost = ProcessLost(entry.process_id, entry.incarnation, entry.address, exited=why == "exited")
+        for peer in self.registry.entries.values():
+            self._send(peer.identity, lost)
 
     async def on_receive(self, message: object) -> None:
         match message:
@@ -180,7 +193,11 @@ class Controller(Actor):
             return
         if isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message.process_id, message.incarnation, message.load):
-                self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
+                lost = identity in self.declared_lost  # frozen, not forgotten by a restarted controller
+                self._send(identity, Error("process_lost" if lost else "unknown_process",
+                                           f"{message.process_id} must register again" +
+                                           ("; it was declared lost and its peers gave up what it held" if lost
+                                            else "")))
         elif isinstance(message, MetricsReport):
             self.metrics.report(message)
         elif isinstance(message, RoleChanged):
@@ -194,6 +211,7 @@ class Controller(Actor):
             if message.role not in ROLES:
                 self._send(identity, Error("invalid_frame", f"no role {message.role!r}: one of {', '.join(ROLES)}"))
                 return
+            self.declared_lost.pop(identity, None)
             replaced = self.registry.register(message.process_id, message.incarnation, message.role,
                                               message.address, identity)
             log.info("process registered", process=message.process_id, role=message.role, address=message.address)

@@ -2,8 +2,10 @@
 
 The link registers (retrying until the controller answers), heartbeats every
 period the controller asked for, registers again when the controller no
-longer knows it (a restarted controller), and hands whatever else the
-controller sends (cluster views, lost processes) to `on_message`. `close`
+longer knows it (a restarted controller, or one that declared this process
+lost while it was frozen: that `process_lost` error goes to `on_message`
+too, since the process's peers gave up what it held), and hands whatever
+else the controller sends (cluster views, lost processes) to `on_message`. `close`
 says goodbye so the process leaves the registry at once. Every second it
 also reports the process's metrics (`MetricsReport`), which the controller
 merges (pdrt.metrics).
@@ -88,10 +90,12 @@ class ControllerLink:
             if isinstance(message, Registered):
                 self.heartbeat_s = message.heartbeat_s
                 self.registered.set()
-            elif isinstance(message, Error) and message.code == "unknown_process":
+            elif isinstance(message, Error) and message.code in ("unknown_process", "process_lost"):
                 if self.registered.is_set():  # one registration, however many heartbeats it answers
-                    log.warning("the controller does not know this process; registering again")
+                    log.warning("the controller does not know this process; registering again", code=message.code)
                     self.registered.clear()
+                    if message.code == "process_lost" and self.on_message is not None:
+                        self.on_message(message)
             elif isinstance(message, Error):
                 log.error("the controller refused this process", code=message.code, error=message.message)
             elif self.on_message is not None:

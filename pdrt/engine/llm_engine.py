@@ -47,6 +47,8 @@ from pdrt.errors import (
 
 log = structlog.get_logger(__name__)
 
+# A sequence in this many steps that raised is to blame, even where it never raised alone.
+MAX_FAILED_STEPS = 3
 # A draft is never sampled before it is submitted; these only satisfy the checks until then.
 DRAFT_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -68,7 +70,8 @@ class LLMEngine:
         pool_bytes = config.kv_cache_memory_bytes or self._gpu_pool_bytes(config, layout)
         num_blocks = config.num_blocks or layout.num_blocks_for_bytes(pool_bytes)
         if num_blocks < 1:
-            raise InvalidRequestError(f"a KV pool of {pool_bytes} bytes holds no block of {layout.bytes_per_block}")
+            raise ConfigError(f"a KV pool of {pool_bytes} bytes holds no block of {layout.bytes_per_block} bytes: "
+                              "raise [engine] kv_cache_bytes")
         storage = None
         if kv_allocator is not None:
             storage = kv_allocator(KVPool.shape_for(layout, num_blocks), layout.dtype)
@@ -98,6 +101,7 @@ class LLMEngine:
         self.num_draft_rollbacks = 0
         self.num_draft_tokens_rolled_back = 0
         self.num_draft_tokens_ahead = 0  # draft tokens whose KV was computed before submit
+        self.failed: list[tuple[str, Exception]] = []  # requests a step failed on, not yet taken
 
     def _gpu_pool_bytes(self, config: EngineConfig, layout: KVLayout) -> int:
         """The pool a GPU's memory leaves this worker once its weights are loaded (pdrt/devices.py)."""
@@ -121,8 +125,9 @@ class LLMEngine:
         if proposer is None or self.pool.capacity_tokens < CALIBRATION_ROWS[1]:
             return None
         if isinstance(proposer, DraftModel) and proposer.model.config.vocab_size != self.vocab_size:
-            raise InvalidRequestError(f"the draft model's vocabulary ({proposer.model.config.vocab_size} tokens) "
-                                      f"is not the target's ({self.vocab_size})")
+            raise ConfigError(f"the draft model's vocabulary ({proposer.model.config.vocab_size} tokens) is not "
+                              f"the target's ({self.vocab_size}): [engine] speculate needs a draft model of the same "
+                              "vocabulary")
         return Speculator(proposer, calibrated_cost(self.runner.forward_rows), self.block_manager,
                           self.max_model_len, config.max_num_batched_tokens)
 
@@ -327,24 +332,60 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass: schedule, propose, run the model, apply the sampled tokens."""
+        """One forward pass: schedule, propose, run the model, apply the sampled tokens. A step that raises
+        costs the request to blame, never the others (`_isolate`)."""
         batch = self.scheduler.schedule()
         self.last_step_ran = not batch.is_empty
         self.last_batch = batch
         if batch.is_empty:
             return []
+        outputs: list[RequestOutput] = []
+        try:
+            self._run(batch, outputs)
+        except Exception as exc:
+            self._isolate(batch, outputs, exc)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
         spec = self.speculator
         if spec is not None:
             spec.plan(batch)
         rows, indices = self._sample_rows(batch)
         sampled = self.sampler(self.runner.run(batch), rows, indices)
-        outputs = self._postprocess(batch, sampled)
+        self._postprocess(batch, sampled, outputs)
+        for seq in batch.sequences():
+            seq.is_suspect = False  # it ran a step that did not raise
         num_streams = len(batch.decode_samples)
         decode_tokens = sum(len(o.new_token_ids) for o in outputs[:num_streams])
         self.last_tokens_per_stream = decode_tokens / num_streams if num_streams else 1.0
         if spec is not None:
             spec.stepped(batch, decode_tokens, sampled.top1, rows)
-        return outputs
+
+    def _isolate(self, batch: ScheduledBatch, outputs: list[RequestOutput], exc: Exception) -> None:
+        """A step raised. Its sequences whose outputs were not made yet are suspects: alone in the step, or in
+        MAX_FAILED_STEPS such steps, one is to blame and fails (`take_failed`); otherwise each goes back to its
+        last emitted token and runs alone next (Scheduler.isolate), where the one to blame raises again."""
+        made = {out.request_id for out in outputs}
+        suspects = [seq for seq in batch.sequences()
+                    if seq.request_id not in made and self.sequences.get(seq.request_id) is seq]
+        log.error("an engine step raised", error=repr(exc), suspects=[seq.request_id for seq in suspects],
+                  exc_info=exc)
+        for seq in suspects:
+            seq.num_failed_steps += 1
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
+            if len(suspects) == 1 or seq.num_failed_steps >= MAX_FAILED_STEPS or seq.is_draft:
+                del self.sequences[seq.request_id]
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self.failed.append((seq.request_id, exc))
+            else:
+                seq.forget_unsent()
+                self.scheduler.isolate(seq)
+
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """The requests that steps failed on since the last call, each with what it raised."""
+        failed, self.failed = self.failed, []
+        return failed
 
     @staticmethod
     def _sample_rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
@@ -358,8 +399,8 @@ class LLMEngine:
             indices.append(seq.output_index)
         return rows, indices
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
-        outputs, row = [], 0
+    def _postprocess(self, batch: ScheduledBatch, sampled: Sampled, outputs: list[RequestOutput]) -> None:
+        row = 0
         sampling = {id(seq) for seq in batch.decode_samples}
         for seq in batch.decodes:
             if id(seq) not in sampling:
@@ -381,7 +422,6 @@ class LLMEngine:
             self._take(seq, [sampled.tokens[row]], logprobs)
             row += 1
             outputs.append(self._sampled_output(seq))
-        return outputs
 
     def _sampled_output(self, seq: Sequence) -> RequestOutput:
         """The output of a sequence that got tokens; a prefill-only one holds its KV from its first."""

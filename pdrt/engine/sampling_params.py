@@ -6,6 +6,7 @@ from pdrt.errors import InvalidSamplingParamsError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 GREEDY_BELOW = 1e-5
 MAX_INT = 2**31 - 1  # counts and token ids are int32 inside the engine and on every wire
 
@@ -50,6 +51,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
                 raise InvalidSamplingParamsError(
                     f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters, got {s!r}"
                 )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # each sampled token is looked up in them
+            raise InvalidSamplingParamsError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
+                                             f"{len(self.stop_token_ids)}")
         if any(not 0 <= t <= MAX_INT for t in self.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be in [0, {MAX_INT}]")
 

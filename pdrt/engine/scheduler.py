@@ -24,6 +24,9 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    def sequences(self) -> list[Sequence]:
+        return self.decodes + [seq for seq, _ in self.prefills]
+
 
 @dataclass(frozen=True, slots=True)
 class DraftLimits:
@@ -58,6 +61,11 @@ class Scheduler:
     by default the highest response ratio when prompts go one by one, arrival
     order when they go side by side.
 
+    A sequence of a step that raised is a suspect (`isolate`): it gives its
+    blocks back and waits apart, and each step runs one suspect alone, as
+    long as it fits the pool, until every one has run a step of its own; the
+    one that raises again alone is the request to blame.
+
     A demoted sequence (`demote`) keeps its blocks and its place but decodes
     only in every `decode_every`-th step: the steps that skip it are shorter
     for every other stream. A step skips it only while a sequence that is not
@@ -77,6 +85,7 @@ class Scheduler:
         self.max_prefill_chunk_size = max_prefill_chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.suspects: deque[Sequence] = deque()  # of a step that raised: each runs alone next
         self._is_prefilling_requests = False  # during `schedule`: a submitted prompt's chunk is in the batch
         self.num_preemptions = 0
         self.demoted: list[Sequence] = []  # in the order they were demoted
@@ -124,10 +133,20 @@ class Scheduler:
         seq.num_skipped_steps = 0
         return False
 
+    def isolate(self, seq: Sequence) -> None:
+        """`seq` was in a step that raised: free its blocks and keep it apart, to run alone (its tokens stay)."""
+        self.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        seq.is_suspect = True
+        self.suspects.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         if seq.decode_every > 1:
             self._undemote(seq)
-        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+        if seq.is_suspect and seq in self.suspects:
+            self.suspects.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING and seq in self.running:
             self.running.remove(seq)
@@ -135,7 +154,7 @@ class Scheduler:
     def has_work(self) -> bool:
         """True when a step would do something (a prompt still arriving is not work yet)."""
         budget = self.max_num_batched_tokens
-        return bool(self.waiting) or any(self._num_new_tokens(s, budget) > 0 for s in self.running)
+        return bool(self.waiting or self.suspects) or any(self._num_new_tokens(s, budget) > 0 for s in self.running)
 
     def _num_computable(self, seq: Sequence) -> int:
         # An unfinished prompt keeps its last token back, so that the step
@@ -240,7 +259,28 @@ class Scheduler:
             if samples:
                 batch.prefill_samples.append(seq)
 
+    def _alone(self, seq: Sequence) -> ScheduledBatch:
+        """A step of suspect `seq` alone, if its next chunk fits the pool now (else an empty one)."""
+        batch = ScheduledBatch()
+        manager = self.block_manager
+        manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
+        n = self._num_new_tokens(seq, self.max_num_batched_tokens)
+        if n == 0 or not manager.can_allocate(seq, n):
+            manager.free(seq)
+            seq.reset_for_recompute()
+            return batch
+        self.suspects.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        manager.allocate(seq, n)
+        self._place(batch, seq, n)
+        return batch
+
     def schedule(self) -> ScheduledBatch:
+        for seq in list(self.suspects):
+            batch = self._alone(seq)
+            if not batch.is_empty:
+                return batch
         self._is_prefilling_requests = False
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens

@@ -64,6 +64,9 @@ class Sequence:
     num_skipped_steps: int = 0
     # Tokens proposed for verification in the coming step, after its own (pdrt/engine/speculation.py).
     proposal: list[int] = field(default_factory=list)
+    # Steps that raised with this sequence in them; while `is_suspect` it runs alone (Scheduler.isolate).
+    num_failed_steps: int = 0
+    is_suspect: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +99,19 @@ class Sequence:
         """True when computing `num_new_tokens` more reaches the end of a final prompt or output."""
         reaches_end = self.num_computed_tokens + num_new_tokens == len(self.token_ids)
         return reaches_end and self.prompt_is_final
+
+    def forget_unsent(self) -> None:
+        """Drop the output tokens not yet emitted (a step that raised appended them, or not all of them): the
+        recompute samples them again, the same ones, since a token is drawn from its seed and index alone."""
+        end = self.num_prompt_tokens + self.num_emitted_tokens
+        del self.token_ids[end:]
+        del self.output_logprobs[self.num_emitted_tokens:]
+        self.proposal = []
+        if self.detokenizer is not None:  # it may have seen a token dropped here
+            old = self.detokenizer
+            self.detokenizer = IncrementalDetokenizer(old.tokenizer, self.token_ids[:self.num_prompt_tokens], old.stop)
+            for token in self.token_ids[self.num_prompt_tokens:]:
+                self.detokenizer.add(token)
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget the KV, keep every token."""

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from pdrt.errors import PdrtError
+from pdrt.errors import ConfigError, PdrtError
 from pdrt.http.openai_api import (
     Body,
     ChatBody,
@@ -94,7 +94,11 @@ class HttpFront:
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            raise ConfigError(f"cannot listen on http://{self.host}:{self.port}: {exc.strerror or exc}") from exc
         log.info("http serving", address=f"http://{self.host}:{self.port}")
 
     async def stop(self) -> None:

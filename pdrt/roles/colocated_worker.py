@@ -9,15 +9,17 @@ short prompts.
 """
 
 from pdrt.roles.engine_worker import EngineWorker
-from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, PrefillRequest
+from pdrt.wire import Abort, DraftSubmitted, DraftUpdate, GatewayBack, PrefillRequest
 
 
 class ColocatedWorker(EngineWorker):
     role = "colocated"
     senders = {PrefillRequest: ("gateway",), DraftUpdate: ("gateway",), DraftSubmitted: ("gateway",),
-               Abort: ("gateway",)}
+               Abort: ("gateway",), GatewayBack: ("gateway",)}
 
     async def on_receive(self, message: object) -> None:
+        if self.is_orphan(message):
+            return
         match message:
             case PrefillRequest():
                 self.add_whole_request(message)
@@ -26,9 +28,9 @@ class ColocatedWorker(EngineWorker):
             case DraftSubmitted():
                 self.draft_submitted(message)
             case Abort(request_id=rid):
-                self.drafts.pop(rid, None)
-                self.reply_to.pop(rid, None)
-                self.queue_op(rid, lambda: self.engine.abort(rid))
+                self.abort(rid)
+            case _:
+                self.on_control(message)
 
     def add_submitted(self, request_id: str, submitted: DraftSubmitted) -> None:
         self.engine.add_request(request_id, submitted.token_ids, submitted.params)

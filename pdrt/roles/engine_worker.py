@@ -14,7 +14,9 @@ loop. The engine loop runs in three steps, like vLLM's busy loop:
 An op that raises ends its request with a `RequestFailed` to the gateway (a
 `PdrtError` with its own code, anything else as "internal", logged); it
 never takes the worker down. Nor does any message a peer sends: the actor
-logs and drops a message whose handler raises.
+logs and drops a message whose handler raises. Nor does a step that raises:
+the engine finds the request to blame (pdrt/engine/llm_engine.py), which
+fails with a retryable `step_failed`, and the others go on.
 
 Between steps, a `StepGuard` (pdrt/engine/step_guard.py) watches the
 interval between decode steps and, while it runs over the TPOT SLO, has
@@ -26,6 +28,16 @@ work, and a decode worker runs each step with the threads of the idle ones
 too, where its profile says so (pdrt/worker_profile.py). The profile also
 gives the worker its CPU priority (`take_priority`, once the model has
 loaded).
+
+A decode worker that exited copies nothing any more: the KV handed to it is
+freed at once. A gateway that is lost (the controller says so:
+`ProcessLost` with its inbox) can reach no client any more: every request it sent ends here at
+once and frees its KV, and a request from it that arrives late is dropped.
+A gateway that was only frozen says so when it thaws (`GatewayBack`, sent
+before the requests it then sends again). A worker that the controller
+declared lost while it was frozen (its answer to a heartbeat is
+`process_lost`) drops what it held: its gateways have sent every request
+of it on by then.
 
 Drafts (prompts still being typed) are handled here for every role that
 prefills: `DraftUpdate` creates or edits one, `DraftSubmitted` turns it into
@@ -48,26 +60,46 @@ from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
 from pdrt.engine.step_guard import StepGuard
-from pdrt.errors import KVPoolFullError, PdrtError, RoleChangedError, StreamMovedError, TransferError
+from pdrt.errors import (
+    KVPoolFullError,
+    PdrtError,
+    RoleChangedError,
+    StepFailedError,
+    StreamMovedError,
+    TransferError,
+)
 from pdrt.metrics.worker_metrics import WorkerMetrics
-from pdrt.node_config import NodeConfig
+from pdrt.node_config import NodeConfig, role_of
 from pdrt.priority import CatchUp, take_priority
 from pdrt.roles.messaging import Inbox, Outbox, Senders
 from pdrt.roles.thread_ledger import ThreadLedger
 from pdrt.typeahead.draft_tokenizer import common_prefix_len
-from pdrt.wire import DraftSubmitted, DraftUpdate, Load, PrefillRequest, RequestFailed, StepOutputs
+from pdrt.wire import (
+    DraftSubmitted,
+    DraftUpdate,
+    Error,
+    GatewayBack,
+    KVAck,
+    KVHandoff,
+    Load,
+    PrefillRequest,
+    ProcessLost,
+    RequestFailed,
+    StepOutputs,
+)
 from pdrt.worker_profile import CATCH_UP_LATE, log_profile, worker_profile
 
 log = structlog.get_logger(__name__)
 
 IDLE_WAIT_S = 0.5
-# failures of this worker, not of the request
-RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError, StreamMovedError)
+# failures of this worker, not (or not surely) of the request
+RETRYABLE = (TransferError, KVPoolFullError, RoleChangedError, StreamMovedError, StepFailedError)
 # A draft without an update for this long belongs to a typist who paused (to
 # think, or before pressing Enter): its last stable tokens are prefilled now.
 DRAFT_PAUSE_S = 0.2
 LOAD_REFRESH_S = 0.05  # how stale the load a heartbeat reports may be; measuring it costs a pass over the queues
 STEP_POLL_S = 0.02  # how often a worker that catches up looks in on the step under way
+MAX_LOST_GATEWAYS = 64  # inboxes of lost gateways remembered, so that their late requests are dropped
 
 
 class EngineWorker(Actor):
@@ -103,6 +135,7 @@ class EngineWorker(Actor):
         self.wake = asyncio.Event()
         self.reply_to: dict[str, str] = {}  # request id -> the inbox of the gateway that sent it
         self.drafts: dict[str, float] = {}  # draft id -> time of its last update
+        self.lost_gateways: deque[str] = deque(maxlen=MAX_LOST_GATEWAYS)
         self.draft_ttl_s = config.experimental.draft_ttl_s
         self._load = Load()
         self._load_measured_at = 0.0
@@ -143,6 +176,44 @@ class EngineWorker(Actor):
         self.reply_to[rid] = request.reply_to
         self.queue_op(rid, lambda: self.engine.add_request(rid, request.token_ids, request.params,
                                                            request.num_prior_outputs))
+
+    def abort(self, request_id: str) -> None:
+        """Its gateway ended `request_id`: drop it here, wherever it is."""
+        self.drafts.pop(request_id, None)
+        self.reply_to.pop(request_id, None)
+        self.queue_op(request_id, lambda: self.engine.abort(request_id))
+
+    def on_control(self, message: object) -> None:
+        """What the controller tells every worker alike: a gateway was lost, or this worker was."""
+        match message:
+            case ProcessLost(exited=True) if role_of(message.process_id) != "gateway":
+                self.peer_exited(message.process_id)
+            case ProcessLost(address=address) if address and role_of(message.process_id) == "gateway":
+                self.lost_gateways.append(address)
+                dropped = [rid for rid, to in self.reply_to.items() if to == address]
+                for rid in dropped:
+                    self.abort(rid)
+                log.warning("gateway lost: its requests dropped", gateway=message.process_id, requests=len(dropped))
+            case GatewayBack(address=address):
+                while address in self.lost_gateways:
+                    self.lost_gateways.remove(address)
+            case Error(code="process_lost"):
+                dropped = list(self.reply_to) + list(self.drafts)
+                for rid in dropped:
+                    self.abort(rid)
+                log.warning("this worker was declared lost: its requests went on elsewhere", requests=len(dropped))
+
+    def peer_exited(self, process_id: str) -> None:
+        """Worker `process_id` exited: whatever this worker holds for it may go."""
+
+    def is_orphan(self, message: object) -> bool:
+        """Whether `message` comes from a gateway that is lost; a handoff's KV is acknowledged, so it is freed."""
+        if getattr(message, "reply_to", None) not in self.lost_gateways:
+            return False
+        if isinstance(message, KVHandoff):
+            self.outbox.send(message.prefill_address, KVAck(message.request_id))
+        log.info("gateway lost: its requests dropped", requests=1, request_id=getattr(message, "request_id", None))
+        return True
 
     def fail(self, request_id: str, exc: PdrtError) -> None:
         """End `request_id` here with `exc`; the gateway tries it on other workers when this worker's failure is
@@ -248,13 +319,19 @@ class EngineWorker(Actor):
                                         self.engine.last_tokens_per_stream)
                 if outputs:
                     self.emit(outputs)
+                for request_id, exc in self.engine.take_failed():
+                    self.drafts.pop(request_id, None)
+                    self.fail(request_id, StepFailedError(f"an engine step failed on this request: {exc!r}"))
                 if not self.engine.last_step_ran:  # nothing fits the pool now; wait for a free or an op
                     await self._wait(0.01)
             else:
                 self.step_guard.idle()
                 await self._wait(DRAFT_PAUSE_S if self.drafts else IDLE_WAIT_S)
             self._expire_drafts()
-            self.after_step()
+            try:
+                self.after_step()
+            except Exception:  # a fault in housekeeping must cost at most what it was about, never the worker
+                log.exception("housekeeping between steps failed")
             now = time.monotonic()
             if now - self._load_measured_at >= LOAD_REFRESH_S:  # heartbeats read it 4 times a second
                 self._load, self._load_measured_at = self._measure_load(), now

@@ -78,6 +78,7 @@ from pdrt.wire import (
     DraftReplace,
     DraftSubmit,
     Error,
+    GatewayBack,
     Generate,
     GetStatus,
     Hello,
@@ -97,7 +98,7 @@ from pdrt.wire import (
 
 log = structlog.get_logger(__name__)
 
-MAX_CLIENTS = 100_000  # handshaken client identities remembered
+MAX_CLIENTS = 100_000  # handshaken client identities remembered (those with something open, however many)
 HTTP_ASK_TIMEOUT_S = 10.0
 TICK_S = 0.2
 # A hard cap far above the protocol's limit: ZeroMQ drops the connection of a
@@ -240,6 +241,12 @@ class Gateway(Actor):
                     self._worker_lost(worker)
             case MetricsView():
                 self.metrics_view.update(message)
+            case Error(code="process_lost"):  # frozen past its lease: its workers dropped its requests
+                log.warning("this gateway was declared lost; its requests go on anew",
+                            requests=len(self.table.requests))
+                for worker in self.router.workers.values():
+                    self.outbox.send(worker.address, GatewayBack(self.inbox.address))
+                self.table.send_all_again()
             case Tick():
                 self._expire()
             case _:
@@ -311,7 +318,7 @@ class Gateway(Actor):
             case GetStatus():
                 self._reply(identity, self.status())
             case Warmup(session_id=session_id):
-                self.warmups.warm(session_id)
+                self.warmups.warm(session_id, identity)
             case DraftAppend():
                 self.drafts.append(identity, message)
             case DraftReplace():
@@ -319,7 +326,7 @@ class Gateway(Actor):
             case DraftOpen() if not self.table.admitting:
                 raise UnavailableError("the server is shutting down")
             case DraftOpen(session_id=session_id):
-                self.drafts.open(identity, message, self.warmups.worker_for(session_id))
+                self.drafts.open(identity, message, self.warmups.worker_for(identity, session_id))
             case DraftSubmit():
                 self.intake.submit(identity, message)
             case DraftAbandon(draft_id=draft_id):
@@ -336,9 +343,18 @@ class Gateway(Actor):
             return
         self.handshaken[identity] = None
         self.handshaken.move_to_end(identity)
-        while len(self.handshaken) > MAX_CLIENTS:
-            self.handshaken.popitem(last=False)
+        if len(self.handshaken) > MAX_CLIENTS:
+            self._forget_idle_client()
         self._reply(identity, Ready(PROTOCOL_VERSION, self.process_id, self.model_name, self.max_model_len))
+
+    def _forget_idle_client(self) -> None:
+        """Forget the handshake of the least recent client that has nothing open: a client with requests or drafts
+        open is never forgotten (its resends would then collide with what it had open). The open requests and
+        drafts of all clients are bounded, so few are passed over."""
+        for identity in self.handshaken:
+            if not (self.table.num_open_by[identity] or self.drafts.num_open_by[identity]):
+                del self.handshaken[identity]
+                return
 
     def status(self) -> Status:
         workers = [WorkerStatus(w.process_id, w.role, True, w.load) for w in self.router.workers.values()]

@@ -40,7 +40,7 @@ class GatewayRequest:
     internal_id: str = ""  # changes with every attempt, so late outputs of an abandoned attempt are ignored
     attempt: int = 0
     num_attempt_tokens: int = 0  # tokens the current attempt produced
-    migrations: int = 0  # times the request went on elsewhere after its worker died with its output begun
+    failures: int = 0  # times a worker it ran on died or failed it (moves for other reasons aside)
     unrouted_at: float = 0.0  # when it last began to wait for a worker that can take it
     prefill: WorkerInfo | None = None
     decode: WorkerInfo | None = None
@@ -71,9 +71,12 @@ class GatewayRequest:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop) if tokenizer is not None else None
         return cls(identity, request_id, prompt_token_ids, params, stream, deadline, detok)
 
-    def resume(self, output: list[int]) -> None:
-        """Take `output` as this request's output so far, already streamed to its client by a gateway that was
-        lost: it is not sent again, and the stream goes on after it."""
+    def resume(self, output: list[int], logprobs: list[float] | None = None) -> None:
+        """Take `output` (and its `logprobs`, when the request asks for them) as this request's output so far,
+        already streamed to its client by a gateway that was lost: it is not sent again, and the stream goes on
+        after it."""
+        if self.params.logprobs:
+            self.logprobs.extend(logprobs or ())
         for token in output:
             self.token_ids.append(token)
             if self.detokenizer is not None:

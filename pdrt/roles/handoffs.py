@@ -16,13 +16,15 @@ Life cycle of a request here:
    export and frees the blocks.
 
 An `Abort` before step 3 drops the request; after it, the blocks stay until
-the acknowledgement, because the decode worker may be copying them. A
+the acknowledgement, because the decode worker may be copying them, or
+until the decode worker is known to have exited (`release_held_for`): then
+nobody can be. A
 `Withdraw` drops a request only while it waits in step 1 (nothing of it has
 been sent), and `Withdrawn` tells the gateway which it was.
 """
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
@@ -36,12 +38,19 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
+class Export(NamedTuple):
+    """KV handed off and still held: until when, and for which decode worker."""
+
+    deadline: float
+    decode_id: str
+
+
 class Handoffs:
     def __init__(self, worker: "SplitWorker", lease_s: float) -> None:
         self.worker = worker
         self.lease_s = lease_s
         self.requests: dict[str, PrefillRequest] = {}  # admitted and not yet handed off
-        self.held: dict[str, float] = {}  # handed off: request id -> lease deadline
+        self.held: dict[str, Export] = {}  # handed off, not yet acknowledged
         self.arrived: dict[str, float] = {}  # admitted, first token not out yet: request id -> time.monotonic()
         self.unadded: set[str] = set()  # admitted while a step ran: their add op has not run yet
 
@@ -74,6 +83,12 @@ class Handoffs:
         self.worker.reply_to.pop(rid, None)
         self.worker.queue_op(rid, lambda: self.worker.engine.abort(rid))
         return True
+
+    def forget(self, rid: str) -> None:
+        """`rid` failed before its handoff: nothing of it is handed off."""
+        self.requests.pop(rid, None)
+        self.arrived.pop(rid, None)
+        self.unadded.discard(rid)
 
     def withdraw(self, message: Withdraw) -> None:
         """Answer at once, not after the running step: a request still waiting to start is dropped here.
@@ -113,7 +128,7 @@ class Handoffs:
             w.reply_to.pop(out.request_id, None)  # from here on the decode worker reports this request
             deadline = time.monotonic() + self.lease_s
             w.source.export(out.request_id, out.kv_block_ids, deadline, request.decode_id)
-            self.held[out.request_id] = deadline
+            self.held[out.request_id] = Export(deadline, request.decode_id)
             w.metrics.handoff_sent(len(out.kv_block_ids))
             log.info("prefill handed off", request_id=out.request_id, blocks=len(out.kv_block_ids),
                      cached_tokens=out.num_cached_tokens, decode=request.decode_address)
@@ -130,8 +145,14 @@ class Handoffs:
             self.worker.engine.release(request_id)
 
     def expire(self, now: float) -> None:
-        for request_id in [rid for rid, deadline in self.held.items() if deadline < now]:
+        for request_id in [rid for rid, export in self.held.items() if export.deadline < now]:
             log.warning("kv lease expired without an acknowledgement", request_id=request_id)
+            self.release(request_id, acked=False)
+
+    def release_held_for(self, decode_id: str) -> None:
+        """On the engine's side of a step: decode worker `decode_id` exited, so nothing copies what it was handed
+        any more: free it now rather than at the lease."""
+        for request_id in [rid for rid, export in self.held.items() if export.decode_id == decode_id]:
             self.release(request_id, acked=False)
 
     def forget_gone(self) -> None:

@@ -22,10 +22,11 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 
 def text_chars(message: Generate) -> int:
-    """The characters of a request's text (its prompt, or its messages' contents); 0 for token ids."""
+    """The characters of a request's text (its prompt, or its messages' roles and contents, each message one
+    more: the template gives it at least a token); 0 for token ids."""
     if message.prompt is not None:
         return len(message.prompt)
-    return sum(len(m.role) + len(m.content) for m in message.messages or [])
+    return sum(len(m.role) + len(m.content) + 1 for m in message.messages or [])
 
 
 class PromptRenderer:

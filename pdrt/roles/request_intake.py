@@ -68,12 +68,15 @@ class RequestIntake:
         if message.continuation:
             if not message.stream or len(message.continuation) >= message.params.max_tokens:
                 raise InvalidRequestError("a continuation resumes a streamed request that has tokens left to make")
+            logprobs = message.continuation_logprobs
+            if message.params.logprobs and (logprobs is None or len(logprobs) != len(message.continuation)):
+                raise InvalidRequestError("a continuation of a request with logprobs carries one per token")
             self.prompts.check(ids + message.continuation)
-            req.resume(message.continuation)
+            req.resume(message.continuation, logprobs)
         if message.session_id and message.messages is not None:
             req.session_id = message.session_id
             req.messages = [{"role": m.role, "content": m.content} for m in message.messages]
-        req.preferred = self.warmups.worker_for(message.session_id)
+        req.preferred = self.warmups.worker_for(identity, message.session_id)
         self.table.open(req)
 
     def submit(self, identity: bytes, message: DraftSubmit) -> None:

@@ -12,7 +12,7 @@ decisions about where a prompt is prefilled are the LocalPrefill policy's (local
 
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +24,7 @@ from pdrt.engine.sampling_params import SamplingParams
 from pdrt.errors import (
     DuplicateRequestError,
     InvalidRequestError,
+    KVPoolFullError,
     OverloadedError,
     PdrtError,
     RequestTimeoutError,
@@ -31,9 +32,11 @@ from pdrt.errors import (
     StreamMovedError,
     UnavailableError,
     WorkerLostError,
+    error_for,
 )
 from pdrt.metrics.gateway_metrics import GatewayMetrics
 from pdrt.node_config import NodeConfig
+from pdrt.roles.client_share import holds_a_share, share_of
 from pdrt.roles.gateway_request import GatewayRequest, new_internal_id
 from pdrt.roles.local_prefill import LocalPrefill, LocalPrefillRules
 from pdrt.roles.messaging import Outbox
@@ -56,7 +59,6 @@ from pdrt.wire import (
 log = structlog.get_logger(__name__)
 
 MAX_TIMEOUT_S = 24 * 3600.0
-MAX_MIGRATIONS = 3  # a request whose workers keep dying ends rather than moving on for ever
 WITHDRAW_TIMEOUT_S = 5.0  # for a prefill worker's answer to a withdraw
 
 
@@ -65,6 +67,9 @@ class RequestTable:
                  drafts: DraftBook, warmups: Warmups, reply: Callable[[bytes, list[msgspec.Struct]], None],
                  process_id: str) -> None:
         self.max_open_requests = config.gateway.max_open_requests
+        self.max_open_per_client = share_of(self.max_open_requests)
+        self.num_open_by: Counter[bytes] = Counter()  # open requests per client identity
+        self.max_failures = config.gateway.max_request_failures
         self.request_timeout_s = config.experimental.request_timeout_s
         self.unrouted_wait_s = config.experimental.unrouted_wait_s
         self.tokenizer = tokenizer
@@ -89,7 +94,8 @@ class RequestTable:
     # -- admission ----------------------------------------------------------------------
 
     def check_admission(self, identity: bytes, request_id: str, timeout_s: float | None, num_pending: int = 0) -> None:
-        """Raise the reason a new request cannot open now; `num_pending` more are on their way (being rendered)."""
+        """Raise the reason a new request cannot open now; `num_pending` more are on their way (being rendered).
+        One client holds at most its share of the open requests."""
         if not self.admitting:
             raise UnavailableError("the server is shutting down")
         if (identity, request_id) in self.by_client:
@@ -97,6 +103,10 @@ class RequestTable:
         num_open = len(self.by_client) + num_pending
         if num_open >= self.max_open_requests:
             raise OverloadedError(f"the server has {num_open} open requests, its limit; retry later")
+        num_here = self.num_open_by[identity]
+        if num_here >= self.max_open_per_client and holds_a_share(identity):
+            raise OverloadedError(f"this client has {num_here} open requests, its share of the server's "
+                                  f"{self.max_open_requests}; retry when some have ended")
         if timeout_s is not None and not (0 < timeout_s <= MAX_TIMEOUT_S):
             raise InvalidRequestError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}], got {timeout_s}")
 
@@ -110,6 +120,7 @@ class RequestTable:
 
     def open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
         self.by_client[(req.identity, req.request_id)] = req
+        self.num_open_by[req.identity] += 1
         if not self._route(req, draft):
             self._wait_for_worker(req)
 
@@ -231,6 +242,7 @@ class RequestTable:
         if req in self.unrouted:
             self.unrouted.remove(req)
         if self.by_client.pop((req.identity, req.request_id), None) is not None:
+            self._closed(req.identity)
             self._send(req.identity, final)
             self.metrics.ended(req, final)
             log.info("request ended", request_id=req.internal_id or None, client_request_id=req.request_id,
@@ -240,20 +252,22 @@ class RequestTable:
     def fail(self, req: GatewayRequest, error: PdrtError) -> None:
         self.end(req, Error(error.code, str(error), req.request_id), abort=True)
 
-    def _retry(self, req: GatewayRequest, counted: bool = True) -> None:
+    def _retry(self, req: GatewayRequest, failure: PdrtError | None = None) -> None:
         """Send `req` again on live workers: a new attempt. With output begun it is a continuation (a migration):
-        its prompt and its output so far, from which the workers go on as if nothing had happened; after
-        MAX_MIGRATIONS of those that are `counted` (its workers failed it, rather than changed roles) it ends
-        with `worker_lost`."""
-        if req.token_ids:
-            if counted and req.migrations >= MAX_MIGRATIONS:
-                self.fail(req, WorkerLostError(f"the request's workers died {req.migrations + 1} times after it had "
-                                               "produced tokens"))
+        its prompt and its output so far, from which the workers go on as if nothing had happened. A `failure`
+        (its worker died, or failed it) counts: the `max_request_failures`-th ends the request with it, so that
+        one request that takes workers down takes down no more than that; a move (a role change, a crowded
+        worker) does not count."""
+        if failure is not None:
+            req.failures += 1
+            if req.failures >= self.max_failures:
+                self.fail(req, error_for(failure.code, f"the request failed on {req.failures} workers; the last "
+                                                       f"said: {failure}"))
                 return
-            req.migrations += counted
+        if req.token_ids:
             self.metrics.migrations.inc()
             log.warning("migrating a request", request_id=req.internal_id, client_request_id=req.request_id,
-                        output_tokens=len(req.token_ids), migration=req.migrations, counted=counted)
+                        output_tokens=len(req.token_ids), failures=req.failures, moved=failure is None)
         self._detach(req, abort=True)
         log.info("retrying a request", request_id=req.internal_id, client_request_id=req.request_id,
                  attempt=req.attempt + 1)
@@ -309,7 +323,7 @@ class RequestTable:
         frame, finished = req.add(out)
         if finished:
             if req.session_id and req.messages is not None:
-                self.warmups.remember(req.session_id, req.messages, req.answer)
+                self.warmups.remember((req.identity, req.session_id), req.messages, req.answer)
             self.end(req, frame, abort=not out.finished)  # a stop string seen here first: stop the worker
         elif frame is not None:
             self._send(req.identity, frame)
@@ -319,9 +333,15 @@ class RequestTable:
         if req is None or not req.runs_on(message.process_id):
             return
         if message.retryable:
-            self._retry(req, counted=message.code not in (RoleChangedError.code, StreamMovedError.code))
+            moved = message.code in (RoleChangedError.code, StreamMovedError.code, KVPoolFullError.code)
+            self._retry(req, None if moved else error_for(message.code, message.message))
         else:
             self.end(req, Error(message.code, message.message, req.request_id), abort=True)
+
+    def send_all_again(self) -> None:
+        """Every routed request goes on anew, a begun stream as a continuation: its workers dropped it."""
+        for req in list(self.requests.values()):
+            self._retry(req)
 
     def worker_lost(self, worker: WorkerInfo) -> None:
         self.prefixes.forget(worker.process_id)
@@ -330,7 +350,7 @@ class RequestTable:
                        for w in req.workers()):
                 continue
             if req.awaits_first_token or req.decode is None or req.decode.process_id == worker.process_id:
-                self._retry(req)
+                self._retry(req, WorkerLostError(f"worker {worker.process_id} was lost"))
             # else: the prefill worker died after its first token; the decode worker has its KV, or fails the
             # pull and the request goes on elsewhere (a retryable RequestFailed)
 
@@ -354,7 +374,7 @@ class RequestTable:
         # no worker that knows it: it starts again.
         for req in [r for r in self.by_client.values()
                     if r.withdrawing is not None and r.withdrawing + WITHDRAW_TIMEOUT_S < now]:
-            self._retry(req, counted=False)
+            self._retry(req)
 
     def forget_client(self, identity: bytes) -> None:
         """A client that cannot be reached any more: its requests end (workers told), nothing is sent."""
@@ -363,7 +383,13 @@ class RequestTable:
             if req in self.unrouted:
                 self.unrouted.remove(req)
             del self.by_client[(req.identity, req.request_id)]
+            self._closed(req.identity)
             self.metrics.ended(req, None)
+
+    def _closed(self, identity: bytes) -> None:
+        self.num_open_by[identity] -= 1
+        if not self.num_open_by[identity]:
+            del self.num_open_by[identity]
 
     def end_all(self, error: PdrtError) -> None:
         for req in list(self.by_client.values()):

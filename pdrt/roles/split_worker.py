@@ -35,7 +35,7 @@ import structlog
 import zmq.asyncio
 
 from pdrt.engine.outputs import RequestOutput
-from pdrt.errors import RoleChangedError, StreamMovedError
+from pdrt.errors import PdrtError, RoleChangedError, StreamMovedError
 from pdrt.metrics.worker_metrics import SPLIT_ROLES
 from pdrt.node_config import NodeConfig
 from pdrt.roles.engine_worker import EngineWorker
@@ -47,6 +47,7 @@ from pdrt.wire import (
     ChangeRole,
     DraftSubmitted,
     DraftUpdate,
+    GatewayBack,
     KVAck,
     KVHandoff,
     Load,
@@ -65,7 +66,8 @@ MIN_TOKENS_LEFT = 32  # a stream about to end is not worth a prefill elsewhere
 
 class SplitWorker(EngineWorker):
     senders = {PrefillRequest: ("gateway",), DraftUpdate: ("gateway",), DraftSubmitted: ("gateway",),
-               Withdraw: ("gateway",), Abort: ("gateway",), KVAck: SPLIT_ROLES, KVHandoff: SPLIT_ROLES}
+               Withdraw: ("gateway",), Abort: ("gateway",), GatewayBack: ("gateway",), KVAck: SPLIT_ROLES,
+               KVHandoff: SPLIT_ROLES}
 
     def __init__(self, config: NodeConfig, process_id: str, incarnation: str, ctx: zmq.asyncio.Context,
                  run_id: str, role: str) -> None:
@@ -82,6 +84,8 @@ class SplitWorker(EngineWorker):
         self.imports = KVImports(self)
 
     async def on_receive(self, message: object) -> None:
+        if self.is_orphan(message):
+            return
         match message:
             case PrefillRequest(decode_address="") if self.role != "decode":
                 self._bounce(message.request_id, message.reply_to)
@@ -103,22 +107,34 @@ class SplitWorker(EngineWorker):
             case Withdraw():
                 self.handoffs.withdraw(message)
             case Abort(request_id=rid):
-                self._abort(rid)
+                self.abort(rid)
             case ChangeRole(role=role, reason=reason) if role in SPLIT_ROLES:
                 self._change_role(role, reason)
             case ShedStreams(count=count, reason=reason) if self.role == "decode" and count > 0:
                 self.queue_op("", lambda: self._shed(count, reason))
+            case _:
+                self.on_control(message)
 
     def _bounce(self, request_id: str, reply_to: str) -> None:
         """A stream to decode that reached this worker after it stopped decoding: its gateway sends it on."""
         exc = RoleChangedError(f"{self.process_id} is a {self.role} worker now")
         self.outbox.send(reply_to, RequestFailed(request_id, exc.code, str(exc), True, self.process_id))
 
-    def _abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:
+        """Drop `rid` on whichever side holds it. KV handed off stays exported until the decode worker
+        acknowledges or the lease runs out: that worker may be copying it (its own abort ends its side)."""
         self.drop_draft(rid)
-        if not self.handoffs.abort(rid):
-            self.reply_to.pop(rid, None)
-            self.imports.abort(rid)
+        if self.handoffs.abort(rid) or rid in self.handoffs.held:
+            return
+        self.reply_to.pop(rid, None)
+        self.imports.abort(rid)
+
+    def peer_exited(self, process_id: str) -> None:
+        self.queue_op("", lambda: self.handoffs.release_held_for(process_id))
+
+    def fail(self, request_id: str, exc: PdrtError) -> None:
+        self.handoffs.forget(request_id)  # a prompt that failed is handed off to no one
+        super().fail(request_id, exc)
 
     def on_submitted(self, submitted: DraftSubmitted) -> None:
         self.handoffs.submitted(submitted)

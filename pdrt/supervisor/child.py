@@ -22,7 +22,8 @@ PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    """Exponential backoff between restarts; a run of crashes before `stable_after_s` of uptime ends in giving up."""
+    """Exponential backoff between restarts, reset by `stable_after_s` of uptime; `max_startup_crashes` in a row
+    of a process that never served (and never stayed up that long) end in giving up."""
 
     first_backoff_s: float = 0.5
     max_backoff_s: float = 10.0
@@ -106,11 +107,14 @@ class Child:
         """The exit status once the running incarnation has exited (and been reaped), else None."""
         return None if self.proc is None else self.proc.poll()
 
-    def schedule_restart(self, now: float) -> float | None:
-        """After an unexpected exit: the delay before the next start, or None to give up."""
-        if now - self.started_at >= self.policy.stable_after_s:
-            self.num_startup_crashes = 0
+    def schedule_restart(self, now: float, served: bool = False) -> float | None:
+        """After an unexpected exit: the delay before the next start, or None to give up. A process that `served`
+        got past everything that can stop it from starting: it crashed on what it was given, and starts again."""
+        stable = now - self.started_at >= self.policy.stable_after_s
+        if stable:
             self.backoff_s = self.policy.first_backoff_s
+        if stable or served:
+            self.num_startup_crashes = 0
         else:
             self.num_startup_crashes += 1
             if self.num_startup_crashes >= self.policy.max_startup_crashes:

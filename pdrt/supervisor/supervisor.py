@@ -1,8 +1,10 @@
 """The `pdrt up` supervisor: start a node's processes, keep them running, stop them in order.
 
 Life of a run:
-0. remove what runs whose supervisor was SIGKILLed left behind, and take
-   this run's lock (see leftovers.py);
+0. remove what runs whose supervisor was SIGKILLed left behind; check what
+   would stop a process from starting that is visible from here (its ports
+   taken, shared memory too small: preflight.py); take this run's lock (see
+   leftovers.py);
 1. write the resolved config as JSON into a fresh run directory (mode 0700),
    with the cluster key that authenticates the internal plane in
    `cluster.key` (0600: made for this run unless the config gives one), and start
@@ -13,14 +15,18 @@ Life of a run:
    and restart them with backoff (their leftover shared memory removed
    first); a child that exits with status 2 cannot start at all (its config,
    its model): the run stops with the cause it left in the run directory.
+   One that crashes again and again before it serves makes the run give up;
+   one that had served (it left its mark) is always restarted: what a
+   request does to a worker never stops the node.
    Until the node is ready, ask the gateway whether every worker is alive
    (a node without a gateway asks the controller whether its workers are
    registered: readiness.py);
 3. on SIGINT/SIGTERM/SIGHUP, on giving up, or on a readiness timeout: SIGTERM
    the gateway first (it drains open requests), then the workers, then the
    controller, each group waited for and SIGKILLed when late; a second signal
-   SIGKILLs everything at once. Then remove the run's shared memory and the
-   run directory.
+   SIGKILLs everything at once, and so does a failure before the node was
+   ready (it has nothing to drain). Then remove the run's shared memory and
+   the run directory.
 
 Signal handlers only count signals; all the work happens in the monitor loop
 of the main thread, so there is no reentrancy and no asyncio to reason about.
@@ -41,9 +47,10 @@ import structlog
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.devices import process_environments
+from pdrt.errors import ConfigError
 from pdrt.node_config import NodeConfig
-from pdrt.process import EXIT_PERMANENT
-from pdrt.supervisor import leftovers
+from pdrt.process import EXIT_PERMANENT, FAILURE, SERVING
+from pdrt.supervisor import leftovers, preflight
 from pdrt.supervisor.child import Child, RestartPolicy, describe_exit
 from pdrt.supervisor.readiness import check_controller, check_gateway, report_exit
 
@@ -75,13 +82,15 @@ class Supervisor:
     """Runs one node's processes until told to stop; `run()` returns the exit code.
 
     `command_for(name)` gives the command of a process (tests pass small
-    scripts); `ready_timeout_s=None` skips the readiness check.
+    scripts); `ready_timeout_s=None` skips the readiness check, and
+    `preflight=False` the checks before any start (preflight.py).
     """
 
     def __init__(self, config: NodeConfig, run_id: str, *, command_for: Callable[[str], list[str]] = default_command,
                  policy: RestartPolicy = DEFAULT_POLICY, ready_timeout_s: float | None = 300.0,
-                 stop_timeout_s: float = 10.0) -> None:
+                 stop_timeout_s: float = 10.0, preflight: bool = True) -> None:
         self.config = config
+        self.preflight = preflight
         self.run_id = run_id
         e = config.engine
         self.environments = process_environments(e.device, e.gpus, config.mode, config.worker_counts(),
@@ -113,11 +122,13 @@ class Supervisor:
             swept = leftovers.sweep_dead_runs()
             if swept:
                 self._log.info("removed what dead runs left behind", runs=swept)
+            if self.preflight:
+                preflight.check(self.config)
             lock = leftovers.lock_run(self.run_id)
             run_dir = leftovers.make_run_dir(self.run_id)
             self._start_all(run_dir)
             self._monitor()
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             self.failure = f"cannot start the node: {exc}"
         finally:
             self._shutdown()
@@ -186,26 +197,28 @@ class Supervisor:
         status = describe_exit(child.proc.returncode)
         removed = leftovers.remove_segments(leftovers.process_prefix(self.run_id, child.name))
         permanent = child.proc.returncode == EXIT_PERMANENT
-        delay = None if permanent else child.schedule_restart(now)
+        served = self._mark(child.name, SERVING) == child.incarnation
+        delay = None if permanent else child.schedule_restart(now, served)
         self._log.warning("process exited", process=child.name, pid=child.pid, status=status,
                           uptime_s=round(now - child.started_at, 3), removed_segments=removed)
         if permanent:
-            self.failure = f"{child.name} cannot start: {self._cause(child.name) or status}"
+            self.failure = f"{child.name} cannot start: {self._mark(child.name, FAILURE) or status}"
             self._log.error("giving up", process=child.name, cause=self.failure)
         elif delay is None:
-            self.failure = (f"{child.name} crashed {child.num_startup_crashes} times in a row within "
-                            f"{self.policy.stable_after_s:g} s of starting (last: {status}); giving up")
+            self.failure = (f"{child.name} crashed {child.num_startup_crashes} times in a row before it served "
+                            f"(last: {status}); giving up")
             self._log.error("giving up", process=child.name, crashes=child.num_startup_crashes)
         else:
             self._log.info("restarting process", process=child.name, delay_s=delay,
                            crashes=child.num_startup_crashes)
 
-    def _cause(self, name: str) -> str | None:
-        """Why process `name` said it cannot start, if it wrote it down (pdrt.process)."""
+    def _mark(self, name: str, kind: str) -> str | None:
+        """What process `name` wrote down in the run directory (pdrt.process): why it cannot start (FAILURE), or
+        the incarnation that began serving (SERVING)."""
         if self.run_dir is None:
             return None
         try:
-            return (self.run_dir / f"{name}.failure").read_text().strip() or None
+            return (self.run_dir / f"{name}.{kind}").read_text().strip() or None
         except OSError:
             return None
 
@@ -229,8 +242,15 @@ class Supervisor:
     # -- shutdown ----------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        """Gateway first (it stops accepting and drains), then workers, then the controller."""
+        """Gateway first (it stops accepting and drains), then workers, then the controller. A node that failed
+        before it was ready holds no request: it is killed at once, so that its cause is told within seconds."""
         self._stop_requests_at_shutdown = self._num_stop_requests
+        if self.failure and not self.is_ready:
+            self._log.info("stopping node at once: it never served")
+            self._kill_all()
+            for child in self.children:
+                child.reap(timeout_s=5.0)
+            return
         by_name = {child.name: child for child in self.children}
         gateway = [by_name["gateway"]] if "gateway" in by_name else []
         controller = [by_name["controller"]] if "controller" in by_name else []

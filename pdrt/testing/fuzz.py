@@ -14,8 +14,14 @@
   the node's own roles (hostile insiders: malformed messages, unknown ids,
   pulls of blocks that were never exported).
 
-Meanwhile `Sentinel`, a well-behaved client, sends greedy requests and
-compares every answer with the same request sent before the fuzzing began.
+Valid but hostile requests go to the client port too (`valid_hostile`):
+every field at its limit, floods of drafts, warmups, chat sessions,
+continuations and handshakes, and cancels that cross a request's handoff.
+Each must end with its tokens or a typed refusal.
+
+Meanwhile `Sentinel`, a well-behaved client, sends greedy streams and
+compares every answer with the same request sent before the fuzzing began,
+and notes the longest wait between two frames of a stream (a stall).
 `FuzzReport` counts what matters: processes that restarted (crashes),
 requests that never ended (hangs: the sentinel's and the fuzzer's own
 well-formed ones, and HTTP requests left without a response), the
@@ -45,6 +51,7 @@ from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, make_socket
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.supervisor.readiness import cluster_view
+from pdrt.testing.hostile_requests import HostileClient
 from pdrt.testing.node import Node
 from pdrt.warmup.datagram import sign
 from pdrt.wire import (
@@ -127,10 +134,15 @@ class FuzzReport:
     rss_growth_mb: float = 0.0
     rss_growth_by_process: dict[str, float] = field(default_factory=dict)
     per_port: dict[str, int] = field(default_factory=dict)
+    valid_hostile: int = 0  # valid requests at their limits, and floods
+    refusals: dict[str, int] = field(default_factory=dict)  # what they were answered, by error code
+    stall_max_ms: float = 0.0  # the longest wait between two frames of a sentinel stream
+    first_frame_max_ms: float = 0.0  # and for its first frame
 
     def line(self) -> str:
         return (f"fuzz inputs={self.inputs} crashes={self.crashes} hangs={self.hangs} lost={self.lost} "
-                f"unauthenticated_accepted={self.unauthenticated_accepted} rss_growth_mb={self.rss_growth_mb:.0f}")
+                f"unauthenticated_accepted={self.unauthenticated_accepted} rss_growth_mb={self.rss_growth_mb:.0f} "
+                f"stall_max_ms={self.stall_max_ms:.0f} valid_hostile={self.valid_hostile}")
 
 
 def rss_mb(pids: dict[str, int]) -> dict[str, float]:
@@ -152,8 +164,10 @@ class Sentinel(threading.Thread):
         self.address = address
         self.prompts = prompts
         self.stop = threading.Event()
+        self.max_gap_s = self.max_first_s = 0.0
         self.expected = {i: self._ask(f"ref-{i}", prompt) for i, prompt in enumerate(prompts)}
         self.num_requests = self.num_lost = self.num_hung = 0
+        self.max_gap_s = self.max_first_s = 0.0  # measured while the fuzz runs
 
     def _ask(self, request_id: str, prompt: list[int]) -> list[int] | str:
         """The request's tokens, or why it did not end well: "hung" or the error's code."""
@@ -163,9 +177,16 @@ class Sentinel(threading.Thread):
             sock.send(encode(Hello(PROTOCOL_VERSION, "sentinel")))
             sock.send(encode(Generate(request_id, token_ids=prompt, params=SENTINEL_PARAMS)))
             tokens: list[int] = []
-            deadline = time.monotonic() + REPLY_TIMEOUT_S
+            deadline = last = time.monotonic()
+            deadline += REPLY_TIMEOUT_S
             while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 reply = client_reply_decoder.decode(sock.recv())
+                now = time.monotonic()
+                if tokens:
+                    self.max_gap_s = max(self.max_gap_s, now - last)
+                else:
+                    self.max_first_s = max(self.max_first_s, now - last)
+                last = now
                 if isinstance(reply, Error):
                     return reply.code
                 if isinstance(reply, Tokens):
@@ -248,6 +269,18 @@ class Fuzzer:
         self.report.hangs += self._unanswered(expected)
         for sock in sockets:
             sock.close(linger=0)
+
+    def valid_hostile(self, n: int, prompts: list[list[int]]) -> None:
+        """Valid requests at their limits and floods (pdrt/testing/hostile_requests.py): each must end."""
+        client = HostileClient(self.ctx, self.node.address, prompts, self.rng.randrange(1 << 30))
+        try:
+            self.report.hangs += client.run(n)
+        finally:
+            client.close()
+        self.report.valid_hostile += client.num_inputs
+        self.report.inputs += client.num_inputs
+        self.report.refusals = dict(client.refusals)
+        self.report.per_port["client (valid, hostile)"] = client.num_inputs
 
     def _unanswered(self, expected: dict[str, zmq.Socket]) -> int:
         """How many of the well-formed requests never ended (each gets finished tokens or an error)."""
@@ -385,6 +418,7 @@ def run_fuzz(node: Node, key: ClusterKey, warmup_key: str, http_base: str, udp_p
     try:
         ports = fuzzer.internal_ports()
         fuzzer.client(per_port)
+        fuzzer.valid_hostile(per_port, sentinel_prompts)
         fuzzer.http(http_base, per_port)
         fuzzer.udp(udp_port, per_port, warmup_key.encode())
         for name, (address, tags) in ports.items():
@@ -401,6 +435,7 @@ def run_fuzz(node: Node, key: ClusterKey, warmup_key: str, http_base: str, udp_p
     report.hangs += sentinel.num_hung
     report.lost = sentinel.num_lost
     report.sentinel_requests = sentinel.num_requests
+    report.stall_max_ms, report.first_frame_max_ms = 1000 * sentinel.max_gap_s, 1000 * sentinel.max_first_s
     grown = rss_mb(after)
     report.rss_growth_by_process = {name: round(grown.get(name, 0.0) - size, 1) for name, size in before.items()}
     report.rss_growth_mb = sum(report.rss_growth_by_process.values())

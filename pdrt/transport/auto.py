@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from pdrt.actors.cluster_key import ClusterKey
-from pdrt.errors import TransferError
+from pdrt.errors import ConfigError, TransferError
 from pdrt.transport.base import KVPuller, KVSource, TransferBackend
 from pdrt.transport.shm import SHM_DIR, ShmPuller, ShmSource
 from pdrt.transport.tcp import TcpPuller, TcpSource
@@ -83,7 +83,7 @@ class AutoSource(KVSource):
         pool = self._local.allocate(shape, dtype)
         try:
             self._tcp.serve(pool)
-        except TransferError:
+        except (TransferError, ConfigError):
             self._local.close()
             raise
         self._descriptor = msgspec.structs.replace(self._local.descriptor, backend=int(TransferBackend.AUTO),

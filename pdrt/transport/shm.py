@@ -12,6 +12,7 @@ copy that finished late may have read blocks the prefill worker had already
 reused, and is reported as a failure.
 """
 
+import errno
 import mmap
 import os
 import re
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pdrt.actors.cluster_key import ClusterKey
-from pdrt.errors import TransferError
+from pdrt.errors import ConfigError, TransferError
 from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
     BookedSource,
@@ -97,6 +98,11 @@ class ShmSource(BookedSource):
         except OSError as exc:
             os.close(fd)
             self.path.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:  # the host's shared memory is too small for the pool: a restart won't do
+                free = os.statvfs(SHM_DIR)
+                raise ConfigError(f"cannot reserve {num_bytes} bytes in {self.path}: {SHM_DIR} has "
+                                  f"{free.f_bavail * free.f_frsize} bytes free; lower [engine] kv_cache_bytes or "
+                                  f"enlarge {SHM_DIR}") from exc
             raise TransferError(f"cannot reserve {num_bytes} bytes in {self.path}: {exc}") from exc
         os.close(fd)  # the mapping keeps the file's memory reachable
         self._pool = torch.frombuffer(self._mmap, dtype=dtype).view(shape)

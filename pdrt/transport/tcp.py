@@ -36,7 +36,7 @@ import zmq
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
-from pdrt.errors import TransferError
+from pdrt.errors import ConfigError, TransferError
 from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
     BookedSource,
@@ -103,9 +103,11 @@ class TcpSource(BookedSource):
         self._ctx = zmq.Context(io_threads=1)
         try:
             sock = make_socket(self._ctx, SocketSpec(zmq.ROUTER, f"tcp://{self.host}:*", bind=True, key=self.key))
-        except zmq.ZMQError as exc:
+        except (ConfigError, zmq.ZMQError) as exc:
             self._ctx.term()
             self._ctx = None
+            if isinstance(exc, ConfigError):  # `host` is not this host's: no restart mends that
+                raise
             raise TransferError(f"cannot bind tcp://{self.host}:*: {exc}") from exc
         self._pool = pool
         self._descriptor = describe(TransferBackend.TCP, bound_address(sock), pool)

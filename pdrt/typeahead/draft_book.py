@@ -2,7 +2,8 @@
 
 Life cycle of a draft in the gateway:
 
-1. `DraftOpen` records it (bounded: `max_drafts` in all);
+1. `DraftOpen` records it (bounded: `max_drafts` in all, half of them for
+   one client);
 2. `DraftAppend` / `DraftReplace` change its text; once enough text changed
    (`SYNC_CHARS`, or any edit), its stable tokens are recomputed and the
    difference to what the worker holds goes out as one `DraftUpdate` (keep
@@ -27,7 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdrt.errors import InvalidRequestError, PdrtError, PromptTooLongError, UnavailableError, UnknownRequestError
+from pdrt.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PdrtError,
+    PromptTooLongError,
+    UnavailableError,
+    UnknownRequestError,
+)
+from pdrt.roles.client_share import holds_a_share, share_of
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
@@ -69,6 +78,8 @@ class DraftBook:
         self.new_id = new_id
         self.counters = counters
         self.drafts: dict[tuple[bytes, str], GatewayDraft] = {}
+        self.max_per_client = share_of(max_drafts)
+        self.num_open_by: Counter[bytes] = Counter()  # open drafts per client identity
 
     def open(self, identity: bytes, message: DraftOpen, worker: WorkerInfo | None) -> None:
         key = (identity, message.draft_id)
@@ -76,9 +87,12 @@ class DraftBook:
             raise InvalidRequestError(f"draft {message.draft_id!r} is already open")
         if len(self.drafts) >= self.max_drafts:
             raise UnavailableError(f"the server has {len(self.drafts)} open drafts, its limit; retry later")
+        if self.num_open_by[identity] >= self.max_per_client and holds_a_share(identity):
+            raise OverloadedError(f"this client has {self.num_open_by[identity]} open drafts, its share of the "
+                                  f"server's {self.max_drafts}")
         messages = None if message.messages is None else [{"role": m.role, "content": m.content}
                                                           for m in message.messages]
-        self._check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages or []))
+        self._check_chars(sum(len(m["role"]) + len(m["content"]) + 1 for m in messages or []))  # as text_chars
         if messages is not None and not self.tokenizer.chat_template:
             raise InvalidRequestError("this model has no chat template; open the draft without messages")
         try:
@@ -87,6 +101,7 @@ class DraftBook:
             raise InvalidRequestError(f"the chat template cannot render this draft: {exc}") from None
         self.drafts[key] = GatewayDraft(identity, message.draft_id, self.new_id(), message.session_id, messages,
                                         tokens, time.monotonic(), worker)
+        self.num_open_by[identity] += 1
         self.counters["drafts_opened"] += 1
         self._sync(self.drafts[key], force=True)  # a conversation so far can start prefilling at once
 
@@ -149,24 +164,39 @@ class DraftBook:
         draft.sent = stable
 
     def sync_paused(self, pause_s: float) -> None:
-        """Sync drafts whose typist paused with text not yet synced, so that their tail gets prefilled too."""
+        """Sync drafts whose typist paused with text not yet synced, so that their tail gets prefilled too: the
+        longest paused first, and no more than MAX_SYNC_CHARS of text tokenized in one call (one tick of the
+        gateway's loop); the rest wait for the next."""
         cutoff = time.monotonic() - pause_s
-        for draft in self.drafts.values():
-            if draft.last_activity < cutoff and draft.text != draft.synced_text:
-                try:
-                    self._sync(draft, force=True)
-                except PdrtError:
-                    pass  # too long: the submit reports it
+        paused = [d for d in self.drafts.values() if d.last_activity < cutoff and d.text != d.synced_text
+                  and d.tokens.num_chars <= MAX_SYNC_CHARS]
+        budget = MAX_SYNC_CHARS
+        for draft in sorted(paused, key=lambda d: d.last_activity):
+            if draft.tokens.num_chars > budget:
+                break
+            budget -= draft.tokens.num_chars
+            try:
+                self._sync(draft, force=True)
+            except PdrtError:
+                pass  # too long: the submit reports it
 
     def take(self, identity: bytes, draft_id: str) -> GatewayDraft:
         """Remove the draft for its submit; the caller sends its final tokens."""
         draft = self._get(identity, draft_id)
-        del self.drafts[(identity, draft_id)]
+        self._remove(draft)
         self.counters["drafts_submitted"] += 1
         return draft
 
+    def _remove(self, draft: GatewayDraft) -> bool:
+        if self.drafts.pop((draft.identity, draft.draft_id), None) is None:
+            return False
+        self.num_open_by[draft.identity] -= 1
+        if not self.num_open_by[draft.identity]:
+            del self.num_open_by[draft.identity]
+        return True
+
     def drop(self, draft: GatewayDraft, counter: str) -> None:
-        self.drafts.pop((draft.identity, draft.draft_id), None)
+        self._remove(draft)
         self.counters[counter] += 1
         if draft.worker is not None and draft.sent and self.router.is_live(draft.worker):
             self.outbox.send(draft.worker.address, Abort(draft.internal_id))

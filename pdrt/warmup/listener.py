@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import structlog
 
+from pdrt.errors import ConfigError
 from pdrt.warmup.guard import WarmupGuard
 
 log = structlog.get_logger(__name__)
@@ -36,8 +37,11 @@ class WarmupListener:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self.guard, self.on_warmup), local_addr=(self.host, self.port))
+        try:
+            self.transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Protocol(self.guard, self.on_warmup), local_addr=(self.host, self.port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on udp://{self.host}:{self.port}: {exc.strerror or exc}") from exc
         sock = self.transport.get_extra_info("socket")
         # Bursts of focus events (or a flood) should queue in the kernel, not be lost before we read them.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)

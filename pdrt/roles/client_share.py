@@ -1,0 +1,22 @@
+"""How much of each gateway-wide limit one client may hold, so that no client shuts the others out alone.
+
+A native connection holds at most half of the open requests, the open
+drafts and the warmup reservations; past its share it is answered
+`overloaded`. The HTTP front is not one client but all of HTTP's, under one
+identity: it is held to the gateway's limits alone (what one HTTP client
+may take is for the load balancer in front of it, docs/deploy.md).
+"""
+
+from pdrt.http.server import HTTP_IDENTITY
+
+CLIENT_SHARE = 0.5
+
+
+def share_of(limit: int) -> int:
+    """What one client may hold of `limit`."""
+    return max(1, int(limit * CLIENT_SHARE))
+
+
+def holds_a_share(identity: bytes) -> bool:
+    """Whether `identity` is one client, held to its share (the HTTP front is many)."""
+    return identity != HTTP_IDENTITY

@@ -1,0 +1,65 @@
+"""What `pdrt up` checks before it starts a process: the causes a restart cannot mend that it can see from outside.
+
+A port of the node's that another process holds, or shared memory too small
+for the workers' KV pools, would each make a process exit as soon as it
+tried, seconds into its start (after loading its model). Checked here
+first, the run fails at once with the cause (the port, the path, the size).
+The processes check again themselves, since what is free now may be taken
+a moment later; a process that cannot start exits with status 2 either way.
+"""
+
+import os
+import socket
+from pathlib import Path
+
+from pdrt.engine.config import DEFAULT_KV_CACHE_BYTES
+from pdrt.errors import ConfigError
+from pdrt.node_config import NodeConfig
+
+SHM_DIR = Path("/dev/shm")
+
+
+def listening_ports(config: NodeConfig) -> list[tuple[str, int, socket.SocketKind]]:
+    """Every fixed port this node's processes bind: what it is for, its number, TCP or UDP."""
+    ports = []
+    if config.gateway.enabled:
+        ports.append(("[gateway] port", config.gateway.port, socket.SOCK_STREAM))
+        if config.gateway.http_port:
+            ports.append(("[gateway] http_port", config.gateway.http_port, socket.SOCK_STREAM))
+        if config.warmup.key:
+            ports.append(("[warmup] port", config.warmup.port, socket.SOCK_DGRAM))
+    if config.controller.enabled and config.controller.host in ("", config.host):
+        ports.append(("[controller] port", config.controller.port, socket.SOCK_STREAM))
+    return ports
+
+
+def check_ports(config: NodeConfig) -> None:
+    for what, port, kind in listening_ports(config):
+        with socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and aiohttp bind
+            try:
+                probe.bind((config.host, port))
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {config.host}:{port} ({what}): {exc.strerror or exc}") from exc
+
+
+def check_shared_memory(config: NodeConfig) -> None:
+    """The KV pools of a disaggregated CPU node live in /dev/shm: all of them must fit there."""
+    if config.mode != "disaggregated" or config.worker_device != "cpu" or config.transfer not in ("shm", "auto"):
+        return
+    num_workers = config.prefill.count + config.decode.count
+    pool = config.engine.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm: the workers say what they make of that
+    free = stats.f_bavail * stats.f_frsize
+    if num_workers * pool > free:
+        raise ConfigError(f"{num_workers} KV pools of {pool} bytes need {num_workers * pool} bytes in {SHM_DIR}, "
+                          f"which has {free} bytes free: lower [engine] kv_cache_bytes or enlarge {SHM_DIR}")
+
+
+def check(config: NodeConfig) -> None:
+    """Raise ConfigError with the first cause found that would stop the node from starting."""
+    check_ports(config)
+    check_shared_memory(config)
