@@ -62,14 +62,15 @@ SCENARIOS = [Scenario("decode-0", "decode-0", 3), Scenario("prefill-0", "prefill
 
 
 def migrations(node: Node, run: KillRun) -> dict[str, int]:
-    """Streams of `run` that the gateway moved to another worker, each with its output tokens at the move."""
+    """Streams of `run` that the gateway moved to another worker because the kill failed them (not those a
+    crowded decode worker sent on), each with its output tokens at the move."""
     by_request = {rid: name for name, rid in run.request_ids.items()}
     moved = {}
     for line in node.log_path.read_text().splitlines():
         if line.startswith("{") and '"migrating a request"' in line:
             event = json.loads(line)
             name = by_request.get(event.get("client_request_id"))
-            if name is not None:
+            if name is not None and not event.get("moved"):
                 moved[name] = event["output_tokens"]
     return moved
 

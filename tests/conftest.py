@@ -103,6 +103,19 @@ def client(node):
 
 
 @pytest.fixture
+def silent_inbox():
+    """A ROUTER on a free port that receives and never answers (a peer that is frozen, or only listens): the
+    socket and its address."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)  # every wait has a timeout
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sock.bind(address)
+    yield sock, address
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
 def workers():
     """A prefill and a decode worker's inboxes that read what the gateway sends and never answer."""
     ctx = zmq.Context()

@@ -14,7 +14,6 @@ import zmq.asyncio
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.node_config import NodeConfig
 from pdrt.roles.split_worker import SplitWorker
-from pdrt.testing.node import free_port
 from pdrt.wire import Abort, KVAck, KVHandoff, PrefillRequest, ProcessLost, StepOutputs, internal_decoder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -34,15 +33,9 @@ def worker(model_dirs):
 
 
 @pytest.fixture
-def peer():
-    """A ROUTER that stands for both the gateway and a frozen decode worker: it receives, never answers."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)  # every wait has a timeout
-    address = f"tcp://127.0.0.1:{free_port()}"
-    sock.bind(address)
-    yield sock, address
-    ctx.destroy(linger=0)
+def peer(silent_inbox):
+    """Stands for both the gateway and a frozen decode worker: it receives, never answers."""
+    return silent_inbox
 
 
 def receive(sock: zmq.Socket, kind: type) -> object:

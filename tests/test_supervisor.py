@@ -221,23 +221,16 @@ def test_gives_up_when_a_process_keeps_crashing_at_startup(events: Path):
     assert_nothing_left(events, supervisor.run_id)
 
 
-def test_process_that_stayed_up_long_enough_is_not_counted_as_a_startup_crash(events: Path):
+@pytest.mark.parametrize(("behaviour", "stable_after_s"), [
+    ("live:0.4", 0.3),  # stayed up past the stable period
+    ("served-crash", 30.0),  # served, then crashed at once: what a request does to a worker never stops the node
+])
+def test_a_process_that_stayed_up_long_enough_or_served_is_not_counted_as_a_startup_crash(events: Path, behaviour,
+                                                                                          stable_after_s):
     config = NodeConfig(model="unused", mode="colocated")
-    policy = RestartPolicy(first_backoff_s=0.05, max_backoff_s=1.0, stable_after_s=0.3, max_startup_crashes=2)
-    supervisor = make_supervisor(config, events, {"colocated-0": "live:0.4"}, policy=policy)
-
-    assert run_until(supervisor, lambda: len(starts(events, "colocated-0")) >= 3) == 0
-
-    assert len(starts(events, "colocated-0")) >= 3
-    assert supervisor.failure is None
-    assert_nothing_left(events, supervisor.run_id)
-
-
-def test_a_process_that_crashes_after_it_served_is_always_restarted(events: Path):
-    """What a request does to a worker (it crashes on it) never stops the node: only crashes before serving count."""
-    config = NodeConfig(model="unused", mode="colocated")
-    policy = RestartPolicy(first_backoff_s=0.05, max_backoff_s=0.1, stable_after_s=30.0, max_startup_crashes=2)
-    supervisor = make_supervisor(config, events, {"colocated-0": "served-crash"}, policy=policy)
+    policy = RestartPolicy(first_backoff_s=0.05, max_backoff_s=0.1, stable_after_s=stable_after_s,
+                           max_startup_crashes=2)
+    supervisor = make_supervisor(config, events, {"colocated-0": behaviour}, policy=policy)
 
     assert run_until(supervisor, lambda: len(starts(events, "colocated-0")) >= 4) == 0
 

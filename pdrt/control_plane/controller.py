@@ -240,6 +240,10 @@ class Controller(Actor):
             await ref.deliver(Tick())
 
     async def serve(self, stop: asyncio.Event) -> None:
+        # The lease in which processes register again runs from when their heartbeats can be read, not from
+        # construction: on a busy host the two can be seconds apart, and a view marked complete too early would
+        # make the gateways drop every worker that had not registered yet.
+        self.recovering_until = time.monotonic() + self.registry.lease_s
         log.info("controller serving", heartbeat_s=self.heartbeat_s, lease_s=self.registry.lease_s)
         ref = self.start()
         tasks = [asyncio.create_task(self._read(ref)), asyncio.create_task(self._tick(ref))]

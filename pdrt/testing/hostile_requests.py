@@ -4,8 +4,8 @@ Every message here passes the protocol's checks; what makes it hostile is
 how much it asks for. In turn: a `generate` with every field at its limit
 (sixteen stop strings of 256 characters, 256 stop token ids, the largest
 top_k and seed, the highest temperature, logprobs; twice a prompt as long as
-the context holds, and now and then no end but its deadline); a flood of
-drafts, past the connection's share of them; chat requests under a few
+the context holds, and now and then a max_tokens no pool could hold); a
+flood of drafts, past the connection's share of them, left to expire; chat requests under a few
 session ids, each followed by warmups of them; continuations of random
 output; a cancel sent the moment a request's first token arrives, while
 its KV is being handed over; and connections that say `hello` and leave.
@@ -40,7 +40,8 @@ from pdrt.wire import (
 )
 
 REPLY_TIMEOUT_S = 60.0
-DRAFTS_PER_INPUT = 3  # a flood outgrows the connection's share of drafts
+DRAFT_BURST = 600  # the first flood of drafts outgrows the connection's share of them (half of 1024)
+DRAFTS_PER_INPUT = 3
 SESSIONS = 20
 LONG_PROMPTS = 2  # prompts as long as the context holds: each takes seconds to prefill on a CPU
 
@@ -100,7 +101,7 @@ class HostileClient:
         self.open.add(message.request_id)
 
     def _at_limits(self, i: int, long: bool = False) -> None:
-        endless = i % 50 == 0 and not long  # it ends by its deadline
+        endless = i % 50 == 0 and not long  # its deadline ends it, unless no pool holds its whole context
         params = Params(temperature=100.0 if i % 2 else 0.0, top_k=MAX_INT, top_p=1.0, seed=2**63 - 1,
                         max_tokens=MAX_INT if endless else 4, stop=["\x00" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
                         stop_token_ids=self._tokens(MAX_STOP_TOKEN_IDS), logprobs=True)
@@ -108,7 +109,7 @@ class HostileClient:
         self._generate(Generate(f"h{i}", token_ids=prompt, params=params, timeout_s=1.0 if endless else None))
 
     def _drafts(self, i: int) -> None:
-        for k in range(DRAFTS_PER_INPUT):
+        for k in range(DRAFTS_PER_INPUT if self.drafts else DRAFT_BURST):
             draft_id = f"d{i}-{k}"
             self.sock.send(encode(DraftOpen(draft_id)))
             self.sock.send(encode(DraftAppend(draft_id, "type ahead " * self.rng.randrange(1, 40))))
