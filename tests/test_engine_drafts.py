@@ -113,3 +113,23 @@ def test_draft_caps_bound_the_kv_a_draft_and_all_drafts_may_take(make_engine, pr
     assert b.num_computed_tokens <= (10 - 4) * 16  # the global cap of 10 blocks, 4 taken by "a"
     engine.submit_draft("a", 400, [], GREEDY)
     assert run_to_end(engine)["a"]  # a submitted draft is a request: no cap
+
+
+def test_a_submitted_prompt_is_admitted_at_once_when_drafts_fill_the_pool(make_engine, prompts, references):
+    """Drafts are best effort: they grow only into free blocks and give theirs up to a submitted prompt, so that
+    a flood of them never holds a request back (or preempts itself round and round)."""
+    engine = make_engine(num_blocks=40, min_draft_chunk=16, max_draft_pool_fraction=1.0)
+    for i in range(12):  # 12 drafts of 100 tokens want 84 blocks of the 40
+        engine.add_draft(f"d{i}", prompts[-1 - i % 6][i:i + 100])
+        engine.draft_idle(f"d{i}")
+    for _ in range(20):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < 7  # the drafts hold the pool
+    engine.add_request("real", prompts[9], GREEDY)  # 100 tokens
+    results: dict[str, list[int]] = {}
+    for _ in range(3):
+        step(engine, results)
+    assert results.get("real"), "the request waits behind drafts"
+    assert run_to_end(engine, results)["real"] == references["llama"].greedy(prompts[9])
+    queued = [seq.request_id for seq in (*engine.scheduler.waiting, *engine.scheduler.running)]
+    assert sorted(queued) == sorted(f"d{i}" for i in range(12))  # every draft is still there, once

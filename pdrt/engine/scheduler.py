@@ -48,8 +48,10 @@ class Scheduler:
     When the pool has no block for a running sequence, a sequence not yet
     served this step is preempted, a draft first, else the most recently
     admitted one (its blocks freed, its tokens kept, back to the front of the
-    queue to be recomputed). The remaining budget admits waiting sequences,
-    submitted ones before drafts, reusing any cached prefix.
+    queue to be recomputed); a draft itself grows only into free blocks. The
+    remaining budget admits waiting sequences, submitted ones before drafts,
+    reusing any cached prefix; a submitted one that does not fit takes the
+    blocks of running drafts.
 
     With `prompt_batch_tokens` set, prompts run one after another: a step
     takes a chunk of its first prompt, and a later prompt only whole and only
@@ -235,6 +237,17 @@ class Scheduler:
                 return candidate
         return candidates[0] if candidates else seq
 
+    def _make_room(self, seq: Sequence, n: int, served: set[int]) -> None:
+        """Preempt running drafts, the newest first and none served this step, until `n` tokens of submitted
+        `seq` fit the pool: a prompt being typed never holds back one that was sent."""
+        manager = self.block_manager
+        while not manager.can_allocate(seq, n):
+            draft = next((s for s in reversed(self.running) if s.is_draft and id(s) not in served), None)
+            if draft is None:
+                return
+            self._preempt(draft)
+            self.waiting.append(self.waiting.popleft())  # behind the prompt that took its place
+
     def _preempt(self, seq: Sequence) -> None:
         if seq.decode_every > 1:
             self._undemote(seq)  # it gives its blocks back; it costs nothing until it is recomputed
@@ -300,6 +313,8 @@ class Scheduler:
                 served.add(id(seq))
                 continue
             num_new_blocks = manager.num_new_blocks(seq, n)
+            if seq.is_draft and num_new_blocks > manager.num_free_blocks:
+                continue  # a draft grows into free blocks only: it never preempts
             while num_new_blocks > manager.num_free_blocks:
                 victim = self._victim(seq, served)
                 self._preempt(victim)
@@ -319,6 +334,8 @@ class Scheduler:
             if not seq.block_table:
                 manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
             n = self._num_new_tokens(seq, budget)
+            if not seq.is_draft:
+                self._make_room(seq, n, served)
             if not self._joins(batch, seq, n, budget) or not manager.can_allocate(seq, n):
                 manager.free(seq)
                 seq.reset_for_recompute()
