@@ -133,3 +133,20 @@ def test_a_submitted_prompt_is_admitted_at_once_when_drafts_fill_the_pool(make_e
     assert run_to_end(engine, results)["real"] == references["llama"].greedy(prompts[9])
     queued = [seq.request_id for seq in (*engine.scheduler.waiting, *engine.scheduler.running)]
     assert sorted(queued) == sorted(f"d{i}" for i in range(12))  # every draft is still there, once
+
+
+def test_a_submitted_prompt_takes_the_place_of_a_draft_when_drafts_fill_every_sequence_slot(make_engine, prompts,
+                                                                                            references):
+    engine = make_engine(max_num_seqs=4, min_draft_chunk=16)
+    for i in range(6):  # typed, prefilled, then the typists went quiet: each draft holds a slot
+        engine.add_draft(f"d{i}", prompts[10 + i % 4][i:i + 40])
+        engine.draft_idle(f"d{i}")
+    for _ in range(20):
+        engine.step()
+    scheduler = engine.scheduler
+    assert len(scheduler.running) == 4 and not any(scheduler.num_pending_tokens(s) for s in scheduler.running)
+    engine.add_request("real", prompts[9], GREEDY)
+    results: dict[str, list[int]] = {}
+    for _ in range(50):  # bounded: before, no step ever took it
+        step(engine, results)
+    assert results.get("real") == references["llama"].greedy(prompts[9])

@@ -50,8 +50,8 @@ class Scheduler:
     admitted one (its blocks freed, its tokens kept, back to the front of the
     queue to be recomputed); a draft itself grows only into free blocks. The
     remaining budget admits waiting sequences, submitted ones before drafts,
-    reusing any cached prefix; a submitted one that does not fit takes the
-    blocks of running drafts.
+    reusing any cached prefix; a submitted one that does not fit (the pool,
+    or `max_num_seqs`) takes the place of running drafts.
 
     With `prompt_batch_tokens` set, prompts run one after another: a step
     takes a chunk of its first prompt, and a later prompt only whole and only
@@ -238,10 +238,11 @@ class Scheduler:
         return candidates[0] if candidates else seq
 
     def _make_room(self, seq: Sequence, n: int, served: set[int]) -> None:
-        """Preempt running drafts, the newest first and none served this step, until `n` tokens of submitted
-        `seq` fit the pool: a prompt being typed never holds back one that was sent."""
+        """Preempt running drafts, the newest first and none served this step, until submitted `seq` has a
+        sequence slot and `n` of its tokens fit the pool: a prompt being typed never holds back one that was
+        sent."""
         manager = self.block_manager
-        while not manager.can_allocate(seq, n):
+        while len(self.running) >= self.max_num_seqs or not manager.can_allocate(seq, n):
             draft = next((s for s in reversed(self.running) if s.is_draft and id(s) not in served), None)
             if draft is None:
                 return
@@ -329,14 +330,15 @@ class Scheduler:
                 budget -= n
         if len(self.waiting) > 1 and (self.prompt_order.ranks_by_work or any(s.is_draft for s in self.waiting)):
             self.waiting = deque(sorted(self.waiting, key=self._admission_key))
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
             if not seq.block_table:
                 manager.match_prefix(seq, max_tokens=seq.num_tokens - 1)
             n = self._num_new_tokens(seq, budget)
             if not seq.is_draft:
                 self._make_room(seq, n, served)
-            if not self._joins(batch, seq, n, budget) or not manager.can_allocate(seq, n):
+            if len(self.running) >= self.max_num_seqs or not self._joins(batch, seq, n, budget) \
+                    or not manager.can_allocate(seq, n):
                 manager.free(seq)
                 seq.reset_for_recompute()
                 break
