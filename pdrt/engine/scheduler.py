@@ -345,6 +345,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            served.add(id(seq))  # in this step's batch: no later admission may preempt it
             if n:
                 manager.allocate(seq, n)
                 self._place(batch, seq, n)
