@@ -193,11 +193,11 @@ class Controller(Actor):
             return
         if isinstance(message, Heartbeat):
             if not self.registry.heartbeat(message.process_id, message.incarnation, message.load):
-                lost = identity in self.declared_lost  # frozen, not forgotten by a restarted controller
-                self._send(identity, Error("process_lost" if lost else "unknown_process",
-                                           f"{message.process_id} must register again" +
-                                           ("; it was declared lost and its peers gave up what it held" if lost
-                                            else "")))
+                if identity in self.declared_lost:  # frozen, not forgotten by a restarted controller
+                    self._send(identity, Error("process_lost", f"{message.process_id} was declared lost and its "
+                                                               "peers gave up what it held; register again"))
+                else:
+                    self._send(identity, Error("unknown_process", f"{message.process_id} must register again"))
         elif isinstance(message, MetricsReport):
             self.metrics.report(message)
         elif isinstance(message, RoleChanged):

@@ -7,6 +7,8 @@ identity: it is held to the gateway's limits alone (what one HTTP client
 may take is for the load balancer in front of it, docs/deploy.md).
 """
 
+from collections import Counter
+
 from pdrt.http.server import HTTP_IDENTITY
 
 CLIENT_SHARE = 0.5
@@ -15,6 +17,13 @@ CLIENT_SHARE = 0.5
 def share_of(limit: int) -> int:
     """What one client may hold of `limit`."""
     return max(1, int(limit * CLIENT_SHARE))
+
+
+def release(counts: Counter[bytes], identity: bytes) -> None:
+    """`identity` holds one fewer of what `counts` counts; a client that holds none is no longer listed."""
+    counts[identity] -= 1
+    if not counts[identity]:
+        del counts[identity]
 
 
 def holds_a_share(identity: bytes) -> bool:

@@ -65,12 +65,8 @@ class Handoffs:
             if rid not in self.unadded:
                 return  # withdrawn or aborted before it was added
             self.unadded.discard(rid)
-            try:
-                w.engine.add_prefill(rid, request.token_ids, request.params, request.num_prior_outputs)
-            except Exception:
-                self.requests.pop(rid, None)
-                self.arrived.pop(rid, None)
-                raise
+            # One that fails is failed by the worker, which forgets it here too (`forget`).
+            w.engine.add_prefill(rid, request.token_ids, request.params, request.num_prior_outputs)
 
         w.queue_op(rid, add)
 

@@ -36,7 +36,7 @@ from pdrt.errors import (
 )
 from pdrt.metrics.gateway_metrics import GatewayMetrics
 from pdrt.node_config import NodeConfig
-from pdrt.roles.client_share import holds_a_share, share_of
+from pdrt.roles.client_share import holds_a_share, release, share_of
 from pdrt.roles.gateway_request import GatewayRequest, new_internal_id
 from pdrt.roles.local_prefill import LocalPrefill, LocalPrefillRules
 from pdrt.roles.messaging import Outbox
@@ -242,7 +242,7 @@ class RequestTable:
         if req in self.unrouted:
             self.unrouted.remove(req)
         if self.by_client.pop((req.identity, req.request_id), None) is not None:
-            self._closed(req.identity)
+            release(self.num_open_by, req.identity)
             self._send(req.identity, final)
             self.metrics.ended(req, final)
             log.info("request ended", request_id=req.internal_id or None, client_request_id=req.request_id,
@@ -383,13 +383,8 @@ class RequestTable:
             if req in self.unrouted:
                 self.unrouted.remove(req)
             del self.by_client[(req.identity, req.request_id)]
-            self._closed(req.identity)
+            release(self.num_open_by, req.identity)
             self.metrics.ended(req, None)
-
-    def _closed(self, identity: bytes) -> None:
-        self.num_open_by[identity] -= 1
-        if not self.num_open_by[identity]:
-            del self.num_open_by[identity]
 
     def end_all(self, error: PdrtError) -> None:
         for req in list(self.by_client.values()):

@@ -122,7 +122,8 @@ class SplitWorker(EngineWorker):
 
     def abort(self, rid: str) -> None:
         """Drop `rid` on whichever side holds it. KV handed off stays exported until the decode worker
-        acknowledges or the lease runs out: that worker may be copying it (its own abort ends its side)."""
+        acknowledges, the lease runs out or that worker exits: until then it may be copying it (its own abort
+        ends its side)."""
         self.drop_draft(rid)
         if self.handoffs.abort(rid) or rid in self.handoffs.held:
             return

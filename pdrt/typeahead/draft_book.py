@@ -36,7 +36,7 @@ from pdrt.errors import (
     UnavailableError,
     UnknownRequestError,
 )
-from pdrt.roles.client_share import holds_a_share, share_of
+from pdrt.roles.client_share import holds_a_share, release, share_of
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
 from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
@@ -190,9 +190,7 @@ class DraftBook:
     def _remove(self, draft: GatewayDraft) -> bool:
         if self.drafts.pop((draft.identity, draft.draft_id), None) is None:
             return False
-        self.num_open_by[draft.identity] -= 1
-        if not self.num_open_by[draft.identity]:
-            del self.num_open_by[draft.identity]
+        release(self.num_open_by, draft.identity)
         return True
 
     def drop(self, draft: GatewayDraft, counter: str) -> None:

@@ -13,7 +13,7 @@ stays).
 
 from collections import Counter, OrderedDict
 
-from pdrt.roles.client_share import holds_a_share
+from pdrt.roles.client_share import holds_a_share, release
 
 SessionKey = tuple[bytes, str]  # (owner, session id)
 
@@ -59,8 +59,6 @@ class SessionStore:
         """Forget `owner`'s least recently used session."""
         key = next(k for k in self.sessions if k[0] == owner)
         del self.sessions[key]
-        self.num_by_owner[owner] -= 1
-        if not self.num_by_owner[owner]:
-            del self.num_by_owner[owner]
+        release(self.num_by_owner, owner)
         if self.last_owner.get(key[1]) == owner:
             del self.last_owner[key[1]]

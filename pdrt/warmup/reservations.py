@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from pdrt.roles.client_share import holds_a_share
+from pdrt.roles.client_share import holds_a_share, release
 from pdrt.typeahead.sessions import SessionKey
 from pdrt.wire import WorkerInfo
 
@@ -56,9 +56,7 @@ class Reservations:
     def _drop(self, session: SessionKey) -> Reservation | None:
         reservation = self.by_session.pop(session, None)
         if reservation is not None:
-            self.num_by_owner[session[0]] -= 1
-            if not self.num_by_owner[session[0]]:
-                del self.num_by_owner[session[0]]
+            release(self.num_by_owner, session[0])
         return reservation
 
     def expire(self) -> list[Reservation]:
