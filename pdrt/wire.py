@@ -423,8 +423,9 @@ class Withdraw(msgspec.Struct, **_struct("withdraw")):
 
 
 class GatewayBack(msgspec.Struct, **_struct("gateway_back")):
-    """Gateway -> worker: this gateway, declared lost while it was frozen, serves again from its inbox at
-    `address`; its requests from here on are new (the ones before were dropped, and it sends them again)."""
+    """Gateway -> worker, before anything else it sends that worker, and again when it thaws after it was
+    declared lost: its inbox at `address` is a live gateway's, whose requests from here on are new (a worker
+    drops those of a lost gateway's inbox, which a restarted gateway may bind again)."""
 
     address: str
 

@@ -1,7 +1,7 @@
 """An abort that reaches a prefill worker after its handoff (the gateway sends one when the decode worker is lost
 mid-handoff): the KV stays exported until the decode worker acknowledges, the lease runs out, or the decode worker
 is known to have exited, since until then it may be copying it; then it is freed once, and the worker goes on
-serving."""
+serving. A lost gateway's requests are dropped, until its inbox says it is a live gateway's."""
 
 import asyncio
 import time
@@ -14,7 +14,7 @@ import zmq.asyncio
 from pdrt.engine.sampling_params import SamplingParams
 from pdrt.node_config import NodeConfig
 from pdrt.roles.split_worker import SplitWorker
-from pdrt.wire import Abort, KVAck, KVHandoff, PrefillRequest, ProcessLost, StepOutputs, internal_decoder
+from pdrt.wire import Abort, GatewayBack, KVAck, KVHandoff, PrefillRequest, ProcessLost, StepOutputs, internal_decoder
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -99,3 +99,13 @@ def test_the_kv_handed_to_a_decode_worker_that_exited_is_freed_at_once(worker, p
     deliver(worker, ProcessLost("decode-0", "x", "tcp://127.0.0.1:1", exited=True))
     worker._apply_ops()
     assert used_blocks(worker) == 0 and not worker.handoffs.held and not worker.engine.sequences
+
+
+
+def test_requests_from_a_lost_gateways_inbox_are_dropped_until_it_says_it_is_a_live_gateways(worker, peer, prompts):
+    _, address = peer
+    deliver(worker, ProcessLost("gateway", "old", address))
+    deliver(worker, PrefillRequest("late", prompts[8], GREEDY, address, address, "decode-0"))
+    assert "late" not in worker.handoffs.requests  # sent before the gateway died: nobody would receive it
+    deliver(worker, GatewayBack(address))  # a gateway bound that inbox again, or thawed
+    assert hand_off(worker, peer, prompts[9], "new").request_id == "new"

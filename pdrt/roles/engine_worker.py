@@ -33,8 +33,9 @@ A decode worker that exited copies nothing any more: the KV handed to it is
 freed at once. A gateway that is lost (the controller says so:
 `ProcessLost` with its inbox) can reach no client any more: every request it sent ends here at
 once and frees its KV, and a request from it that arrives late is dropped.
-A gateway that was only frozen says so when it thaws (`GatewayBack`, sent
-before the requests it then sends again). A worker that the controller
+A gateway introduces itself to a worker before it sends it anything, and a
+gateway that was only frozen again when it thaws (`GatewayBack`, before
+the requests it then sends again): its inbox is a live gateway's. A worker that the controller
 declared lost while it was frozen (its answer to a heartbeat is
 `process_lost`) drops what it held: its gateways have sent every request
 of it on by then.

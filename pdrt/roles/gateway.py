@@ -232,8 +232,12 @@ class Gateway(Actor):
             case Warmup(session_id=session_id):
                 self.warmups.warm(session_id)
             case ClusterView(workers=workers, complete=complete):
+                known = {(w.process_id, w.incarnation) for w in self.router.workers.values()}
                 for worker in self.router.update(workers, complete):
                     self._worker_lost(worker)
+                for worker in workers:  # introduced before anything is sent to it (its inbox may reuse a port)
+                    if (worker.process_id, worker.incarnation) not in known:
+                        self.outbox.send(worker.address, GatewayBack(self.inbox.address))
                 self.table.route_waiting()
             case ProcessLost(process_id=process_id, incarnation=incarnation):
                 worker = self.router.remove(process_id, incarnation)
