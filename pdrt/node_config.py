@@ -15,6 +15,7 @@ docs/configuration.md lists them all, with their defaults and why.
     port = 7100                               # native protocol (ZeroMQ)
     http_port = 7180                          # OpenAI API and the demo page; 0: off
     api_key = ""                              # HTTP /v1/ needs it when set (better: PDRT_API_KEY)
+    api_keys = {}                             # more keys, each a tenant: {name = "key"} (better: PDRT_API_KEYS)
     enabled = true                            # false: no gateway on this node
     max_open_requests = 1024
     ttft_slo_s = 1.0                          # the SLOs that goodput counts against
@@ -89,6 +90,7 @@ Positive = Annotated[int, Meta(ge=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(gt=0)]
 Niceness = Annotated[int, Meta(ge=-20, le=19)]
+TenantName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 class _Table(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -99,11 +101,23 @@ class GatewayConfig(_Table):
     port: Port = 7100
     http_port: OptionalPort = 7180  # the OpenAI-compatible HTTP front and the demo page; 0 turns it off
     api_key: str = ""  # when set, HTTP /v1/ routes need `Authorization: Bearer <key>` (or PDRT_API_KEY)
+    # Tenants: name -> key. A tenant holds at most half of the gateway's limits, and shares cached prompt KV
+    # with its own requests only (pdrt/roles/tenants.py). Any key opens /v1/ once one is set.
+    api_keys: dict[TenantName, Annotated[str, Meta(min_length=1)]] = {}
     enabled: bool = True
     max_open_requests: Positive = 1024
     max_request_failures: Positive = 2  # a request whose workers died or failed it this many times ends with the error
     ttft_slo_s: Seconds = 1.0  # a request meets its SLOs with its first token within this many seconds
     tpot_slo_s: Seconds = 0.1  # and this many seconds per later token (pdrt.metrics.gateway_metrics)
+
+    def __post_init__(self) -> None:
+        keys = [*self.api_keys.values(), *([self.api_key] if self.api_key else [])]
+        if len(set(keys)) < len(keys):
+            raise ConfigError("[gateway] api_key and api_keys must all differ: a key names one tenant")
+
+    def tenants(self) -> dict[str, str]:
+        """Each API key and its tenant's name ("" for `api_key`); empty when HTTP needs no key."""
+        return {**({self.api_key: ""} if self.api_key else {}), **{k: n for n, k in self.api_keys.items()}}
 
 
 class WarmupConfig(_Table):
@@ -329,13 +343,14 @@ ENVIRONMENT = {
     "PDRT_WARMUP_PORT": ("warmup", "port"),
     "PDRT_HTTP_PORT": ("gateway", "http_port"),
     "PDRT_API_KEY": ("gateway", "api_key"),
+    "PDRT_API_KEYS": ("gateway", "api_keys"),  # "name=key,name=key"
     "PDRT_CLUSTER_KEY": ("cluster_key",),
 }
 
 
 # Secrets a process also takes from its own environment when it starts (systemd passes them with
 # EnvironmentFile=), so that they need not be written into the config JSON it reads.
-SECRET_ENVIRONMENT = ("PDRT_WARMUP_KEY", "PDRT_API_KEY", "PDRT_CLUSTER_KEY")
+SECRET_ENVIRONMENT = ("PDRT_WARMUP_KEY", "PDRT_API_KEY", "PDRT_API_KEYS", "PDRT_CLUSTER_KEY")
 
 
 def with_secrets(config: NodeConfig, environ: dict[str, str] | None = None) -> NodeConfig:
@@ -346,8 +361,24 @@ def with_secrets(config: NodeConfig, environ: dict[str, str] | None = None) -> N
         return config
     raw = msgspec.to_builtins(config)
     for name, value in found.items():
-        _set(raw, ENVIRONMENT[name], value)
+        _set(raw, ENVIRONMENT[name], _environment_value(name, value))
     return _convert(raw, "the node config with secrets from the environment")
+
+
+def _environment_value(name: str, value: str) -> object:
+    """The setting an environment variable's text stands for: an integer, a table of API keys, or the text."""
+    key = ENVIRONMENT[name][-1]
+    if key in ("port", "http_port", "kv_cache_bytes", "max_prefill_chunk_size"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if key == "api_keys":
+        pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ConfigError(f"{name} is a list of name=key, separated by commas")
+        return {tenant.strip(): api_key.strip() for tenant, _, api_key in pairs}
+    return value
 
 
 def _set(raw: dict, path: tuple[str, ...], value: object) -> None:
@@ -368,13 +399,7 @@ def load_node_config(path: str | None = None, overrides: dict[tuple[str, ...], o
     environ = os.environ if environ is None else environ
     for name, key in ENVIRONMENT.items():
         if name in environ:
-            value: object = environ[name]
-            if key[-1] in ("port", "http_port", "kv_cache_bytes", "max_prefill_chunk_size"):
-                try:
-                    value = int(str(value))
-                except ValueError:
-                    raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-            _set(raw, key, value)
+            _set(raw, key, _environment_value(name, environ[name]))
     for key, value in (overrides or {}).items():
         if value is not None:
             _set(raw, key, value)

@@ -99,6 +99,7 @@ class DraftOpen(msgspec.Struct, **_struct("draft_open")):
     draft_id: str
     messages: list[ChatMessage] | None = None
     session_id: str = ""
+    cache_salt: str = ""  # as `SamplingParams.cache_salt`; the submit's parameters take this one
 
 
 class DraftAppend(msgspec.Struct, **_struct("draft_append")):
@@ -360,14 +361,16 @@ class PrefillRequest(msgspec.Struct, **_struct("prefill")):
 class DraftUpdate(msgspec.Struct, **_struct("draft_update")):
     """Gateway -> prefill (or colocated) worker: the draft keeps `num_kept` tokens and gains `token_ids`.
 
-    The first update of a draft creates it. `colocated` drafts decode where
-    they were prefilled once submitted.
+    The first update of a draft creates it, with the prefix cache of
+    `cache_salt` (its submit's parameters carry the same). `colocated` drafts
+    decode where they were prefilled once submitted.
     """
 
     draft_id: str
     num_kept: int
     token_ids: list[int]
     colocated: bool = False
+    cache_salt: str = ""
 
 
 class DraftSubmitted(msgspec.Struct, **_struct("draft_submitted")):

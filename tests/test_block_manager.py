@@ -218,3 +218,27 @@ def test_a_different_hash_seed_gives_different_keys():
     two = prefix_keys(token_ids, BLOCK_SIZE, hash_seed=2)
     assert len(one) == len(two) == 9
     assert not set(one) & set(two)
+
+
+def test_a_prefix_is_shared_only_among_sequences_of_one_salt():
+    manager = make_manager(16)
+    salted = make_seq(PREFIX, "a")
+    salted.cache_root = prefix_hash.salt_root("tenant-a", HASH_SEED)
+    compute(manager, salted)
+    assert salted.block_hashes == prefix_keys(PREFIX, BLOCK_SIZE, HASH_SEED, salted.cache_root)
+    plain = make_seq(PREFIX + [7], "b")
+    manager.match_prefix(plain, max_tokens=plain.num_tokens)
+    assert plain.block_table == []  # the same tokens without the salt: no hit
+    other = make_seq(PREFIX + [7], "c")
+    other.cache_root = prefix_hash.salt_root("tenant-b", HASH_SEED)
+    manager.match_prefix(other, max_tokens=other.num_tokens)
+    assert other.block_table == []
+    same = make_seq(PREFIX + [7], "d")
+    same.cache_root = salted.cache_root
+    manager.match_prefix(same, max_tokens=same.num_tokens)
+    assert same.block_table == salted.block_table[:3]
+    # Even a key that collides across salts finds no block: the hit must match the root too.
+    manager.cached[prefix_keys(PREFIX, BLOCK_SIZE, HASH_SEED)[0]] = salted.block_table[0]
+    manager.match_prefix(plain, max_tokens=plain.num_tokens)
+    assert plain.block_table == []
+    assert prefix_hash.salt_root("", HASH_SEED) == ROOT_PARENT

@@ -78,6 +78,14 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
     updated = with_secrets(config, {"PDRT_WARMUP_KEY": "k", "PDRT_PORT": "9999"})
     assert updated.warmup.key == "k" and updated.gateway.port == 7100
     assert with_secrets(config, {"PDRT_WARMUP_KEY": ""}) is config
+    tenants = with_secrets(config, {"PDRT_API_KEYS": "alpha=ka, beta.2=kb"}).gateway
+    assert tenants.api_keys == {"alpha": "ka", "beta.2": "kb"} and tenants.tenants() == {"ka": "alpha", "kb": "beta.2"}
+
+
+@pytest.mark.parametrize("keys", ["alpha", "alpha=k,beta=k", "has space=k", "alpha="])
+def test_api_keys_are_named_distinct_and_not_empty(tmp_path: Path, keys: str):
+    with pytest.raises(ConfigError, match="API_KEYS|api_keys|differ"):
+        load(tmp_path, 'model = "/m"\n', {"PDRT_API_KEYS": keys})
 
 
 @pytest.mark.parametrize(("toml", "where"), [
@@ -89,6 +97,7 @@ def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_
     ("[experimental]\nlocal_prefill_max_slowdown = 0.9", "experimental.local_prefill_max_slowdown"),
     ("[experimental]\nprompt_batch_tokens = -1", "experimental.prompt_batch_tokens"),
     ("[prefill]\nnice = 10", "nice"),  # the old per-role settings are gone, not ignored
+    ('[gateway]\napi_key = "k"\napi_keys = {a = "k"}', "differ"),
 ])
 def test_out_of_range_or_unknown_settings_are_refused_naming_where(tmp_path: Path, toml: str, where: str):
     with pytest.raises(ConfigError, match=where.replace(".", r"\.")):

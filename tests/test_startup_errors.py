@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pdrt.errors import UnavailableError
+from pdrt.supervisor import preflight
 from pdrt.testing.node import Node, free_port
 
 FAIL_FAST_S = 10.0  # what pdrt up sees before it starts a process (preflight.py)
@@ -48,6 +49,14 @@ def test_an_http_port_in_use_stops_the_node_at_once_naming_the_port(model_dirs, 
 def test_a_pool_that_holds_no_block_stops_the_node_naming_the_size(model_dirs, tmp_path):
     last, seconds = failure_of(Node(tmp_path, str(model_dirs["llama"]), engine={"kv_cache_bytes": 1000}))
     assert "cannot start" in last and "1000 bytes holds no block" in last, last
+    assert seconds < FAIL_FAST_S
+
+
+def test_a_pool_that_holds_no_block_in_the_models_dtype_stops_the_node_once_loaded(model_dirs, tmp_path):
+    # Room for a block of 16-bit KV, not of the float32 KV the workers keep on this CPU: only they can tell.
+    block16 = preflight.smallest_block_bytes(str(model_dirs["llama"]), 16)
+    last, seconds = failure_of(Node(tmp_path, str(model_dirs["llama"]), engine={"kv_cache_bytes": block16}))
+    assert "cannot start" in last and f"{block16} bytes holds no block" in last, last
     assert seconds < LOADED_FAIL_FAST_S
 
 

@@ -246,9 +246,10 @@ class AsyncClient:
 
     # -- internals -----------------------------------------------------------------------
 
-    def draft(self, messages: Messages | None = None, session_id: str = "") -> AsyncDraft:
-        """A prompt the user is typing: the next user turn after chat `messages`, or a plain prompt (None)."""
-        return AsyncDraft(self, chat_messages(messages) if messages is not None else None, session_id)
+    def draft(self, messages: Messages | None = None, session_id: str = "", cache_salt: str = "") -> AsyncDraft:
+        """A prompt the user is typing: the next user turn after chat `messages`, or a plain prompt (None).
+        `cache_salt`: as `SamplingParams.cache_salt`, for the draft and the request it becomes."""
+        return AsyncDraft(self, chat_messages(messages) if messages is not None else None, session_id, cache_salt)
 
     async def warmup(self, session_id: str) -> None:
         """The user focused the input of `session_id`: the server may prefill its conversation so far."""

@@ -12,6 +12,8 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pdrt.client.async_stream import AsyncStream, Reply, seeded
 from pdrt.client.error_codes import error_from_reply
 from pdrt.engine.sampling_params import SamplingParams
@@ -23,11 +25,12 @@ if TYPE_CHECKING:
 
 
 class AsyncDraft:
-    def __init__(self, client: "AsyncClient", messages: list[ChatMessage] | None, session_id: str) -> None:
+    def __init__(self, client: "AsyncClient", messages: list[ChatMessage] | None, session_id: str,
+                 cache_salt: str = "") -> None:
         self.client = client
         self.draft_id = uuid.uuid4().hex
         self.text = ""
-        self._open_message = DraftOpen(self.draft_id, messages, session_id)
+        self._open_message = DraftOpen(self.draft_id, messages, session_id, cache_salt)
         self._errors: asyncio.Queue[Reply] | None = None
         self._is_over = False
 
@@ -77,9 +80,10 @@ class AsyncDraft:
         """The user pressed Enter: the request's output, as a stream (iterate it; a non-streamed one yields once)."""
         await self._ensure_open()
         self._end()
-        message = DraftSubmit(self.draft_id, uuid.uuid4().hex, seeded(params), stream, timeout_s)
-        # What the submit stands for, should the gateway be lost with the draft: a generate of the final text.
         opened = self._open_message
+        params = msgspec.structs.replace(seeded(params), cache_salt=opened.cache_salt)  # the server's choice too
+        message = DraftSubmit(self.draft_id, uuid.uuid4().hex, params, stream, timeout_s)
+        # What the submit stands for, should the gateway be lost with the draft: a generate of the final text.
         fallback = Generate(message.request_id, prompt=self.text if opened.messages is None else None,
                             messages=None if opened.messages is None else
                             [*opened.messages, ChatMessage("user", self.text)],

@@ -137,8 +137,8 @@ class Client:
                timeout_s: float | None = None, session_id: str = "") -> Stream:
         return Stream(self, self._async.stream(prompt, messages, token_ids, params, timeout_s, session_id))
 
-    def draft(self, messages: Messages | None = None, session_id: str = "") -> Draft:
-        return Draft(self, self._async.draft(messages, session_id))
+    def draft(self, messages: Messages | None = None, session_id: str = "", cache_salt: str = "") -> Draft:
+        return Draft(self, self._async.draft(messages, session_id, cache_salt))
 
     def warmup(self, session_id: str) -> None:
         self._call(self._async.warmup(session_id))

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", help="run the processes as this user (default: root)")
     parser.add_argument("--prefix", default="pdrt", help="unit names: PREFIX-gateway.service, PREFIX.target, ...")
     parser.add_argument("--env-file", default="/etc/pdrt/pdrt.env", metavar="PATH",
-                        help="EnvironmentFile for secrets (PDRT_CLUSTER_KEY, PDRT_WARMUP_KEY, PDRT_API_KEY); "
-                             "'' for none (default /etc/pdrt/pdrt.env)")
+                        help="EnvironmentFile for secrets (PDRT_CLUSTER_KEY, PDRT_WARMUP_KEY, PDRT_API_KEY, "
+                             "PDRT_API_KEYS); '' for none (default /etc/pdrt/pdrt.env)")
     parser.add_argument("--run-id", help="PDRT_RUN_ID of every process (default: derived from prefix, node, host)")
     parser.add_argument("--cache-dir", metavar="DIR",
                         help="writable cache directory (default: systemd's CacheDirectory, /var/cache/PREFIX)")

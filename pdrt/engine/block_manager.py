@@ -4,7 +4,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from pdrt.engine.prefix_hash import ROOT_PARENT, block_key
+from pdrt.engine.prefix_hash import block_key
 from pdrt.engine.sequence import Sequence
 
 
@@ -14,6 +14,7 @@ class Block:
     ref_count: int = 0
     key: int | None = None  # prefix-cache key once the block is full and registered
     parent_block: int | None = None  # the block before this one when it was registered
+    root: int = 0  # the cache root (salt) of the sequence that registered it
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -26,7 +27,9 @@ class BlockManager:
     reuse for other tokens evicts them. A hit is confirmed by comparing the
     stored token ids and the parent *block* (the block just matched), not only
     keys: by induction from the first block, a hit then holds KV computed after
-    exactly this prefix, so even a hash collision cannot alias KV.
+    exactly this prefix, so even a hash collision cannot alias KV. A sequence's
+    first block chains from its cache root (its salt), which a hit must match
+    too: requests of different salts share no block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_seed: int) -> None:
@@ -55,17 +58,18 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]
-        block.key, block.parent_block, block.token_ids = None, None, []
+        block.key, block.parent_block, block.token_ids, block.root = None, None, [], 0
         block.ref_count = 1
         return block
 
-    def _lookup(self, parent: int, parent_block: int | None, token_ids: list[int]) -> tuple[int, Block | None]:
+    def _lookup(self, root: int, parent: int, parent_block: int | None,
+                token_ids: list[int]) -> tuple[int, Block | None]:
         key = block_key(parent, token_ids, self.hash_seed)
         block_id = self.cached.get(key)
         if block_id is None:
             return key, None
         block = self.blocks[block_id]
-        if block.parent_block != parent_block or block.token_ids != token_ids:
+        if block.parent_block != parent_block or block.root != root or block.token_ids != token_ids:
             return key, None
         return key, block
 
@@ -74,9 +78,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        parent, parent_block = ROOT_PARENT, None
+        parent, parent_block = seq.cache_root, None
         for start in range(0, max_tokens - bs + 1, bs):
-            key, block = self._lookup(parent, parent_block, seq.token_ids[start : start + bs])
+            key, block = self._lookup(seq.cache_root, parent, parent_block, seq.token_ids[start : start + bs])
             if block is None:
                 return
             yield key, block
@@ -124,11 +128,11 @@ class BlockManager:
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
             token_ids = seq.token_ids[i * bs : (i + 1) * bs]
             key = block_key(parent, token_ids, self.hash_seed)
             block = self.blocks[seq.block_table[i]]
-            block.key, block.token_ids = key, token_ids
+            block.key, block.token_ids, block.root = key, token_ids, seq.cache_root
             block.parent_block = seq.block_table[i - 1] if i else None
             # A block with equal content may already be cached (two requests
             # computed the same prefix at once); keep the first, both stay valid.

@@ -17,6 +17,7 @@ names lives in the scheduler, block manager, model runner and sampler.
 import random
 from collections.abc import Callable
 
+import msgspec
 import structlog
 import torch
 
@@ -28,6 +29,7 @@ from pdrt.engine.kv_pool import KVLayout, KVPool
 from pdrt.engine.model_loader import LoadedModel, load_model
 from pdrt.engine.model_runner import ModelRunner
 from pdrt.engine.outputs import ImportReservation, RequestOutput
+from pdrt.engine.prefix_hash import salt_root
 from pdrt.engine.proposers import DraftModel
 from pdrt.engine.sampler import Sampled, Sampler
 from pdrt.engine.sampling_params import SamplingParams
@@ -158,7 +160,8 @@ class LLMEngine:
             raise InvalidSamplingParamsError(f"stop_token_ids must be < {self.vocab_size}")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, seed, mode,
-                       prompt_is_final, num_prior_outputs=num_prior_outputs)
+                       prompt_is_final, num_prior_outputs=num_prior_outputs,
+                       cache_root=salt_root(params.cache_salt, self.block_manager.hash_seed))
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         return seq
@@ -194,17 +197,19 @@ class LLMEngine:
 
     # -- drafts: prompts still being typed ----------------------------------------
 
-    def add_draft(self, request_id: str, token_ids: list[int], colocated: bool = False) -> None:
+    def add_draft(self, request_id: str, token_ids: list[int], colocated: bool = False, cache_salt: str = "") -> None:
         """Start prefilling the stable part of a prompt that is still being typed.
 
         A draft's tokens are computed once `min_draft_chunk` of them wait,
         then in steps of at least `min_draft_step` (any size once the typist
         pauses), after every submitted request's work, within the draft caps. It is
         sampled only after `submit_draft`; then it goes on as a prefill-only
-        request (or, `colocated`, decodes here).
+        request (or, `colocated`, decodes here). Its prefix cache is that of
+        `cache_salt`, which its submit's parameters keep.
         """
         mode = SequenceMode.COLOCATED if colocated else SequenceMode.PREFILL_ONLY
-        seq = self._new_sequence(request_id, token_ids, DRAFT_PARAMS, mode, prompt_is_final=False)
+        params = msgspec.structs.replace(DRAFT_PARAMS, cache_salt=cache_salt) if cache_salt else DRAFT_PARAMS
+        seq = self._new_sequence(request_id, token_ids, params, mode, prompt_is_final=False)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -242,6 +247,8 @@ class LLMEngine:
     def submit_draft(self, request_id: str, num_kept: int, new_token_ids: list[int], params: SamplingParams) -> None:
         """The prompt is complete: its last tokens and the sampling parameters arrive; it is a request now."""
         seq = self._get_draft(request_id)
+        if params.cache_salt != seq.params.cache_salt:
+            raise InvalidRequestError(f"draft {request_id!r} was opened with another cache_salt")
         total = num_kept + len(new_token_ids)
         self._check_prompt(new_token_ids, total, total + params.max_tokens)
         if params.stop and self.tokenizer is None:

@@ -7,6 +7,7 @@ from pdrt.errors import InvalidSamplingParamsError
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT_CHARS = 256
 GREEDY_BELOW = 1e-5
 MAX_INT = 2**31 - 1  # counts and token ids are int32 inside the engine and on every wire
 
@@ -19,7 +20,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     token i depends only on (seed, i) and the logits, so a request gives the
     same tokens whatever batch it lands in, after preemption, when its
     prefill and decode run in different processes, and with speculative
-    decoding on or off (`speculate`).
+    decoding on or off (`speculate`). Requests share cached prompt KV only
+    with requests of an equal `cache_salt` (the gateway folds the client's
+    tenant into it: pdrt/roles/tenants.py).
     """
 
     temperature: float = 1.0
@@ -32,6 +35,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     ignore_eos: bool = False
     logprobs: bool = False
     speculate: bool = True  # verify proposed tokens where the engine finds it pays; False: one token a step
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -54,6 +58,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # each sampled token is looked up in them
             raise InvalidSamplingParamsError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                              f"{len(self.stop_token_ids)}")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidSamplingParamsError(f"cache_salt has at most {MAX_CACHE_SALT_CHARS} characters")
         if any(not 0 <= t <= MAX_INT for t in self.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be in [0, {MAX_INT}]")
 

@@ -47,6 +47,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    cache_root: int = 0  # the parent key of its first block: its cache salt's (pdrt.engine.prefix_hash.salt_root)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)

@@ -73,6 +73,7 @@ class ParamsBody(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # an extension vLLM also has: benchmarks force output lengths
     speculate: bool | None = None  # a pdrt extension: false verifies no proposed tokens (one token a step)
+    cache_salt: str | None = None  # as vLLM's: cached prompt KV is shared only among requests of an equal salt
     # Refused when set to anything but their neutral value (UNSUPPORTED_IF_SET).
     logit_bias: Any = None
     tools: Any = None
@@ -96,7 +97,8 @@ class ParamsBody(msgspec.Struct, kw_only=True):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, max_tokens=max_tokens,
-                              stop=stop, ignore_eos=bool(self.ignore_eos), speculate=self.speculate is not False)
+                              stop=stop, ignore_eos=bool(self.ignore_eos), speculate=self.speculate is not False,
+                              cache_salt=self.cache_salt or "")
 
     @property
     def include_usage(self) -> bool:
@@ -135,6 +137,7 @@ class CompletionBody(ParamsBody, kw_only=True):
 class DraftOpenBody(msgspec.Struct):
     messages: list[MessageBody] | None = None  # the conversation so far; None: a plain prompt
     session_id: str | None = ""
+    cache_salt: str | None = None  # the submitted request's too
 
     def chat_messages(self) -> list[ChatMessage] | None:
         return None if self.messages is None else [m.chat_message() for m in self.messages]

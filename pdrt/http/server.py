@@ -44,7 +44,7 @@ from pdrt.wire import Cancel, DraftAbandon, DraftOpen, DraftSubmit, Error, Gener
 
 log = structlog.get_logger(__name__)
 
-HTTP_IDENTITY = b"\x00http"  # the client identity of everything that comes in over HTTP
+HTTP_IDENTITY = b"\x00http"  # the client identity of HTTP requests made with no key or the unnamed one
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 8 << 20
 DONE = b"data: [DONE]\n\n"
@@ -60,11 +60,14 @@ class DraftText:
 
 
 class HttpFront:
-    def __init__(self, host: str, port: int, api_key: str, model: str, context_length: int, request_timeout_s: float,
-                 ask: Callable[[object], Awaitable[PdrtError | None]], tell: Callable[[object], None],
-                 status: Callable[[], Status], metrics: Callable[[], bytes]) -> None:
+    def __init__(self, host: str, port: int, tenants: dict[str, str], model: str, context_length: int,
+                 request_timeout_s: float, ask: Callable[[object, str], Awaitable[PdrtError | None]],
+                 tell: Callable[[object, str], None], status: Callable[[], Status],
+                 metrics: Callable[[], bytes]) -> None:
+        """`tenants` maps each API key to its tenant's name ("" for the unnamed key); empty: no key is needed.
+        `ask` and `tell` take a client message and the tenant that sent it."""
         self.host, self.port = host, port
-        self.api_key = api_key
+        self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in tenants.items()]
         self.model = model
         self.context_length = context_length
         self.wait_s = request_timeout_s + 30.0  # the gateway ends every request by its deadline; this is a backstop
@@ -127,20 +130,27 @@ class HttpFront:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        """Find the tenant of the request's API key (every key compared, in constant time each)."""
+        tenant: str | None = ""
+        if self.keys and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            tenant = None
+            for key, name in self.keys:
+                if hmac.compare_digest(given, key):
+                    tenant = name
+            if tenant is None:
                 status, body = error_body("unauthorized", "a valid API key is required: Authorization: Bearer KEY")
                 return web.json_response(body, status=status)
+        request["tenant"] = tenant
         return await handler(request)
 
     async def _body(self, request: web.Request, kind: type[Body]) -> Body:
         """The request's body as `kind`; InvalidRequestError (a 400) saying what is wrong and where."""
         return decode_body(await request.read(), kind)
 
-    async def _take(self, message: object) -> None:
+    async def _take(self, request: web.Request, message: object) -> None:
         """Hand a client message to the gateway; its refusal is raised here (and becomes the HTTP error)."""
-        error = await self.ask(message)
+        error = await self.ask(message, request["tenant"])
         if error is not None:
             raise error
 
@@ -166,7 +176,7 @@ class HttpFront:
         ended = False
         ids = {"X-Request-Id": message.request_id}  # the gateway logs it as client_request_id
         try:
-            await self._take(message)
+            await self._take(request, message)
             response = Response(chat, self.model)
             if message.stream:
                 try:
@@ -190,7 +200,7 @@ class HttpFront:
         finally:
             self.queues.pop(message.request_id, None)
             if not ended:  # the client went away (or the wait gave up): free the request's KV
-                self.tell(Cancel(message.request_id))
+                self.tell(Cancel(message.request_id), request["tenant"])
 
     async def _stream(self, request: web.Request, queue: asyncio.Queue[Tokens | Error], response: Response,
                       usage: bool, headers: dict[str, str]) -> web.StreamResponse:
@@ -240,12 +250,13 @@ class HttpFront:
     async def open_draft(self, request: web.Request) -> web.Response:
         body = await self._body(request, DraftOpenBody)
         draft_id = uuid.uuid4().hex
-        await self._take(DraftOpen(draft_id, body.chat_messages(), body.session_id or ""))
+        await self._take(request, DraftOpen(draft_id, body.chat_messages(), body.session_id or "",
+                                            body.cache_salt or ""))
         return web.json_response({"draft_id": draft_id}, status=201)
 
     async def draft_text(self, request: web.Request) -> web.Response:
         body = await self._body(request, DraftTextBody)
-        await self._take(DraftText(request.match_info["draft_id"], body.text))
+        await self._take(request, DraftText(request.match_info["draft_id"], body.text))
         return web.Response(status=204)
 
     async def submit_draft(self, request: web.Request) -> web.StreamResponse:
@@ -255,12 +266,12 @@ class HttpFront:
         return await self._generate(request, message, True, body.include_usage)
 
     async def abandon_draft(self, request: web.Request) -> web.Response:
-        await self._take(DraftAbandon(request.match_info["draft_id"]))
+        await self._take(request, DraftAbandon(request.match_info["draft_id"]))
         return web.Response(status=204)
 
     async def warmup(self, request: web.Request) -> web.Response:
         body = await self._body(request, WarmupBody)
-        self.tell(Warmup(body.session_id))
+        self.tell(Warmup(body.session_id), request["tenant"])
         return web.Response(status=204)
 
     # -- operations --------------------------------------------------------------------------

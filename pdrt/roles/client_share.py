@@ -1,10 +1,12 @@
 """How much of each gateway-wide limit one client may hold, so that no client shuts the others out alone.
 
-A native connection holds at most half of the open requests, the open
-drafts and the warmup reservations; past its share it is answered
-`overloaded`. The HTTP front is not one client but all of HTTP's, under one
-identity: it is held to the gateway's limits alone (what one HTTP client
-may take is for the load balancer in front of it, docs/deploy.md).
+A native connection, and a tenant of the HTTP front (a named API key,
+pdrt/roles/tenants.py), holds at most half of the open requests, the open
+drafts, the sessions and the warmup reservations; past its share it is
+answered `overloaded`. The rest of the HTTP front (the unnamed key, or no
+key) is not one client but many, under one identity: it is held to the
+gateway's limits alone (what one of them may take is for the load balancer
+in front of it, docs/deploy.md).
 """
 
 from collections import Counter

@@ -239,7 +239,7 @@ class EngineWorker(Actor):
             if did in self.engine.sequences:
                 self.engine.update_draft(did, update.num_kept, update.token_ids)
             elif update.num_kept == 0 and update.token_ids:
-                self.engine.add_draft(did, update.token_ids, colocated=update.colocated)
+                self.engine.add_draft(did, update.token_ids, colocated=update.colocated, cache_salt=update.cache_salt)
             else:
                 self.drafts.pop(did, None)  # lost (expired, failed): its submit will start afresh
 

@@ -51,7 +51,7 @@ from pdrt.errors import (
     RequestTimeoutError,
     UnavailableError,
 )
-from pdrt.http.server import HTTP_IDENTITY, DraftText, HttpFront
+from pdrt.http.server import DraftText, HttpFront
 from pdrt.metrics.gateway_view import GatewayMetricsView
 from pdrt.metrics.worker_metrics import SPLIT_ROLES
 from pdrt.node_config import NodeConfig
@@ -63,6 +63,7 @@ from pdrt.roles.prompt_renders import PromptRenders, Rendered
 from pdrt.roles.request_intake import RequestIntake
 from pdrt.roles.request_table import RequestTable
 from pdrt.roles.router import Router
+from pdrt.roles.tenants import http_identity, is_http
 from pdrt.typeahead.draft_book import DraftBook
 from pdrt.warmup.guard import WarmupGuard
 from pdrt.warmup.listener import WarmupListener
@@ -112,9 +113,10 @@ WORKER_SENDERS = {StepOutputs: WORKER_ROLES, RequestFailed: WORKER_ROLES, Withdr
 
 @dataclass(frozen=True, slots=True)
 class FromHttp:
-    """A client message from the HTTP front (its replies go to the HTTP identity)."""
+    """A client message from the HTTP front, made with `tenant`'s key (its replies go to the HTTP front)."""
 
     message: object
+    tenant: str = ""
 
 
 def _request_id(message: object) -> str | None:
@@ -157,9 +159,9 @@ class Gateway(Actor):
                                                   lambda session_id: self._tell(Warmup(session_id)))
         self.http: HttpFront | None = None
         if config.gateway.http_port:
-            self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.api_key, self.model_name,
+            self.http = HttpFront(config.host, config.gateway.http_port, config.gateway.tenants(), self.model_name,
                                   self.max_model_len, x.request_timeout_s, self._ask_from_http,
-                                  lambda message: self._tell(FromHttp(message)), self.status,
+                                  lambda message, tenant: self._tell(FromHttp(message, tenant)), self.status,
                                   lambda: self.metrics_view.exposition())
         self.metrics_view = GatewayMetricsView(self.table.metrics, self.status, process_id)
         self._ref: ActorRef | None = None
@@ -181,17 +183,17 @@ class Gateway(Actor):
         except MailboxFullError:
             self.counters[f"dropped_busy_{type(message).__name__.lower()}"] += 1
 
-    async def _ask_from_http(self, message: object) -> PdrtError | None:
+    async def _ask_from_http(self, message: object, tenant: str) -> PdrtError | None:
         """An HTTP handler's client message, taken by the actor in turn; its refusal comes back."""
         assert self._ref is not None
-        return await self._ref.ask(FromHttp(message), HTTP_ASK_TIMEOUT_S)
+        return await self._ref.ask(FromHttp(message, tenant), HTTP_ASK_TIMEOUT_S)
 
     def _reply(self, identity: bytes, message: msgspec.Struct) -> None:
         self._reply_all(identity, [message])
 
     def _reply_all(self, identity: bytes, messages: list[msgspec.Struct]) -> None:
         """Send a client its messages, each a frame of one ZeroMQ message (a client reads them one by one)."""
-        if identity == HTTP_IDENTITY:
+        if is_http(identity):
             assert self.http is not None
             for message in messages:
                 self.http.deliver(message)
@@ -217,8 +219,8 @@ class Gateway(Actor):
 
     async def on_receive(self, message: object) -> PdrtError | None:
         match message:
-            case FromHttp(message=request):
-                return self._client_message(HTTP_IDENTITY, request)
+            case FromHttp(message=request, tenant=tenant):
+                return self._client_message(http_identity(tenant), request)
             case FromPeer(identity=identity, message=frames):
                 self._client_frame(identity, frames)
             case Rendered(identity=identity):

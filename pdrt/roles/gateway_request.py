@@ -89,7 +89,7 @@ class GatewayRequest:
     def block_keys(self, prefixes: PrefixMemory) -> list[int]:
         """The prefix-cache keys of the prompt's full blocks, computed once."""
         if self._block_keys is None:
-            self._block_keys = prefixes.keys(self.prompt_token_ids)
+            self._block_keys = prefixes.keys(self.prompt_token_ids, self.params.cache_salt)
         return self._block_keys
 
     @property

@@ -11,7 +11,7 @@ have evicted them since.
 
 from collections import OrderedDict
 
-from pdrt.engine.prefix_hash import prefix_keys
+from pdrt.engine.prefix_hash import prefix_keys, salt_root
 
 MAX_BLOCKS_PER_WORKER = 1 << 16
 
@@ -23,8 +23,8 @@ class PrefixMemory:
         self.max_blocks = max_blocks
         self.workers: dict[str, OrderedDict[int, None]] = {}  # process id -> block keys, least recent first
 
-    def keys(self, token_ids: list[int]) -> list[int]:
-        return prefix_keys(token_ids, self.block_size, self.hash_seed)
+    def keys(self, token_ids: list[int], cache_salt: str = "") -> list[int]:
+        return prefix_keys(token_ids, self.block_size, self.hash_seed, salt_root(cache_salt, self.hash_seed))
 
     def remember(self, process_id: str, keys: list[int]) -> None:
         blocks = self.workers.setdefault(process_id, OrderedDict())

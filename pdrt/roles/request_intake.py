@@ -89,7 +89,8 @@ class RequestIntake:
                 if result is None:  # cancelled, or its client left, while it rendered
                     self.drafts.drop(draft, "drafts_abandoned")
                     return
-                req = self.table.admit(identity, message.request_id, self.prompts.check(result), message.params,
+                params = msgspec.structs.replace(message.params, cache_salt=draft.cache_salt)
+                req = self.table.admit(identity, message.request_id, self.prompts.check(result), params,
                                        message.stream, message.timeout_s)
             except PdrtError:
                 self.drafts.drop(draft, "drafts_failed")

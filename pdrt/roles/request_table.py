@@ -42,6 +42,7 @@ from pdrt.roles.local_prefill import LocalPrefill, LocalPrefillRules
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.prefix_memory import PrefixMemory
 from pdrt.roles.router import Router
+from pdrt.roles.tenants import worker_salt
 from pdrt.typeahead.draft_book import DraftBook, GatewayDraft
 from pdrt.warmup.warmups import Warmups
 from pdrt.wire import (
@@ -114,8 +115,10 @@ class RequestTable:
               timeout_s: float | None) -> GatewayRequest:
         self.check_admission(identity, request_id, timeout_s)
         deadline = time.monotonic() + (timeout_s or self.request_timeout_s)
-        if params.seed is None:  # one seed for every attempt: a stream that moves samples on as it would have
-            params = msgspec.structs.replace(params, seed=random.getrandbits(63))
+        # One seed for every attempt: a stream that moves samples on as it would have. The salt the workers
+        # see is the client's salt in its tenant's name (pdrt/roles/tenants.py).
+        params = msgspec.structs.replace(params, seed=random.getrandbits(63) if params.seed is None else params.seed,
+                                         cache_salt=worker_salt(identity, params.cache_salt))
         return GatewayRequest.create(identity, request_id, ids, params, stream, deadline, self.tokenizer)
 
     def open(self, req: GatewayRequest, draft: GatewayDraft | None = None) -> None:
@@ -323,7 +326,7 @@ class RequestTable:
         frame, finished = req.add(out)
         if finished:
             if req.session_id and req.messages is not None:
-                self.warmups.remember((req.identity, req.session_id), req.messages, req.answer)
+                self.warmups.remember((req.identity, req.session_id), req.messages, req.answer, req.params.cache_salt)
             self.end(req, frame, abort=not out.finished)  # a stop string seen here first: stop the worker
         elif frame is not None:
             self._send(req.identity, frame)

@@ -1,13 +1,15 @@
 """What `pdrt up` checks before it starts a process: the causes a restart cannot mend that it can see from outside.
 
-A port of the node's that another process holds, or shared memory too small
-for the workers' KV pools, would each make a process exit as soon as it
-tried, seconds into its start (after loading its model). Checked here
+A port of the node's that another process holds, shared memory too small
+for the workers' KV pools, or a pool too small for one block of the model's
+KV would each make a process exit as soon as it tried, seconds into its
+start (after loading its model). Checked here
 first, the run fails at once with the cause (the port, the path, the size).
 The processes check again themselves, since what is free now may be taken
 a moment later; a process that cannot start exits with status 2 either way.
 """
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -59,7 +61,33 @@ def check_shared_memory(config: NodeConfig) -> None:
                           f"which has {free} bytes free: lower [engine] kv_cache_bytes or enlarge {SHM_DIR}")
 
 
+MIN_KV_ELEMENT_BYTES = 2  # the narrowest KV dtype a worker may choose (16 bits)
+
+
+def smallest_block_bytes(model: str, block_size: int) -> int | None:
+    """The bytes of one KV block of `model` in its narrowest dtype, from its config.json; None if unreadable."""
+    try:
+        c = json.loads((Path(model).expanduser() / "config.json").read_text())
+        c = c.get("text_config", c)
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        return 2 * c["num_hidden_layers"] * block_size * c.get("num_key_value_heads", heads) * head_dim \
+            * MIN_KV_ELEMENT_BYTES
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError):
+        return None  # the worker loads the model and says what is wrong with it
+
+
+def check_kv_pool(config: NodeConfig) -> None:
+    """A KV pool set smaller than one block holds nothing, whatever dtype the workers choose."""
+    pool = config.engine.kv_cache_bytes
+    block = smallest_block_bytes(config.model, config.experimental.block_size) if pool else None
+    if block is not None and pool < block:
+        raise ConfigError(f"a KV pool of {pool} bytes holds no block of {block} bytes or more: "
+                          "raise [engine] kv_cache_bytes")
+
+
 def check(config: NodeConfig) -> None:
     """Raise ConfigError with the first cause found that would stop the node from starting."""
     check_ports(config)
+    check_kv_pool(config)
     check_shared_memory(config)

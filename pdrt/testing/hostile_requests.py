@@ -20,7 +20,13 @@ from collections import Counter
 import zmq
 
 from pdrt.actors.sockets import SocketSpec, make_socket
-from pdrt.engine.sampling_params import MAX_INT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdrt.engine.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_INT,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from pdrt.engine.sampling_params import SamplingParams as Params
 from pdrt.wire import (
     PROTOCOL_VERSION,
@@ -104,7 +110,8 @@ class HostileClient:
         endless = i % 50 == 0 and not long  # its deadline ends it, unless no pool holds its whole context
         params = Params(temperature=100.0 if i % 2 else 0.0, top_k=MAX_INT, top_p=1.0, seed=2**63 - 1,
                         max_tokens=MAX_INT if endless else 4, stop=["\x00" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
-                        stop_token_ids=self._tokens(MAX_STOP_TOKEN_IDS), logprobs=True)
+                        stop_token_ids=self._tokens(MAX_STOP_TOKEN_IDS), logprobs=True,
+                        cache_salt="\x00" * MAX_CACHE_SALT_CHARS)
         prompt = self._tokens(self.max_model_len - 5 if long else 64)
         self._generate(Generate(f"h{i}", token_ids=prompt, params=params, timeout_s=1.0 if endless else None))
 

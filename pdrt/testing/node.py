@@ -13,11 +13,13 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
 def write_config(path: Path, settings: dict) -> Path:
-    """A TOML file from a dict of top-level keys and one level of tables."""
+    """A TOML file from a dict of top-level keys and one level of tables (deeper dicts: inline tables)."""
     lines = [f"{k} = {_toml_value(v)}" for k, v in settings.items() if not isinstance(v, dict)]
     for table, values in settings.items():
         if isinstance(values, dict):

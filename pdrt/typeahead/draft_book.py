@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdrt.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from pdrt.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -39,6 +40,7 @@ from pdrt.errors import (
 from pdrt.roles.client_share import holds_a_share, release, share_of
 from pdrt.roles.messaging import Outbox
 from pdrt.roles.router import Router
+from pdrt.roles.tenants import worker_salt
 from pdrt.typeahead.draft_tokenizer import DraftTokenizer, common_prefix_len
 from pdrt.wire import Abort, DraftAppend, DraftOpen, DraftReplace, DraftUpdate, WorkerInfo
 
@@ -56,6 +58,7 @@ class GatewayDraft:
     tokens: DraftTokenizer
     last_activity: float
     worker: WorkerInfo | None = None
+    cache_salt: str = ""  # the client's; its submit takes it
     sent: list[int] = field(default_factory=list)  # the tokens the worker holds
     synced_text: str = ""
 
@@ -90,6 +93,8 @@ class DraftBook:
         if self.num_open_by[identity] >= self.max_per_client and holds_a_share(identity):
             raise OverloadedError(f"this client has {self.num_open_by[identity]} open drafts, its share of the "
                                   f"server's {self.max_drafts}")
+        if len(message.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt has at most {MAX_CACHE_SALT_CHARS} characters")
         messages = None if message.messages is None else [{"role": m.role, "content": m.content}
                                                           for m in message.messages]
         self._check_chars(sum(len(m["role"]) + len(m["content"]) + 1 for m in messages or []))  # as text_chars
@@ -100,7 +105,7 @@ class DraftBook:
         except Exception as exc:  # the template refused the conversation, or places the typed text oddly
             raise InvalidRequestError(f"the chat template cannot render this draft: {exc}") from None
         self.drafts[key] = GatewayDraft(identity, message.draft_id, self.new_id(), message.session_id, messages,
-                                        tokens, time.monotonic(), worker)
+                                        tokens, time.monotonic(), worker, cache_salt=message.cache_salt)
         self.num_open_by[identity] += 1
         self.counters["drafts_opened"] += 1
         self._sync(self.drafts[key], force=True)  # a conversation so far can start prefilling at once
@@ -159,7 +164,8 @@ class DraftBook:
         if kept < len(draft.sent):
             self.counters["draft_rollbacks"] += 1
         self.outbox.send(draft.worker.address, DraftUpdate(draft.internal_id, kept, stable[kept:],
-                                                           colocated=self.role == "colocated"))
+                                                           colocated=self.role == "colocated",
+                                                           cache_salt=worker_salt(draft.identity, draft.cache_salt)))
         self.counters["draft_updates"] += 1
         draft.sent = stable
 

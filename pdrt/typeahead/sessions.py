@@ -1,7 +1,7 @@
 """What the gateway remembers of each chat session: the conversation so far, for warmups to prefill.
 
-A session belongs to the client that made it (its connection, or the HTTP
-front): a session id is looked up among its owner's sessions, so that no
+A session belongs to the client that made it (its connection, or an HTTP
+tenant): a session id is looked up among its owner's sessions, so that no
 client reads, overwrites or warms another's. Bounded three ways: at most
 `max_sessions` sessions, of which one owner holds at most `max_per_owner`
 (the HTTP front aside: pdrt/roles/client_share.py; the owner's least
@@ -23,22 +23,29 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_per_owner = max_per_owner
         self.max_chars = max_chars
-        self.sessions: OrderedDict[SessionKey, list[dict[str, str]]] = OrderedDict()
+        # (owner, id) -> the conversation, and the cache salt of its requests (a warmup prefills under it)
+        self.sessions: OrderedDict[SessionKey, tuple[list[dict[str, str]], str]] = OrderedDict()
         self.num_by_owner: Counter[bytes] = Counter()
         self.last_owner: dict[str, bytes] = {}  # session id -> who recorded it last (for UDP warmups)
 
     def get(self, key: SessionKey) -> list[dict[str, str]] | None:
-        messages = self.sessions.get(key)
-        if messages is not None:
-            self.sessions.move_to_end(key)
-        return messages
+        session = self.sessions.get(key)
+        if session is None:
+            return None
+        self.sessions.move_to_end(key)
+        return session[0]
+
+    def salt_of(self, key: SessionKey) -> str:
+        """The cache salt (the workers') of the session's last request."""
+        session = self.sessions.get(key)
+        return "" if session is None else session[1]
 
     def key_of(self, session_id: str) -> SessionKey | None:
         """The session `session_id` names for a holder of the warmup key, who may warm any owner's."""
         owner = self.last_owner.get(session_id)
         return None if owner is None else (owner, session_id)
 
-    def record(self, key: SessionKey, messages: list[dict[str, str]], answer: str) -> None:
+    def record(self, key: SessionKey, messages: list[dict[str, str]], answer: str, cache_salt: str = "") -> None:
         """The conversation after a finished turn: the messages it was asked with, then its answer."""
         conversation = [*messages, {"role": "assistant", "content": answer}]
         first = 1 if conversation[0]["role"] == "system" else 0
@@ -47,7 +54,7 @@ class SessionStore:
         owner = key[0]
         if key not in self.sessions:
             self.num_by_owner[owner] += 1
-        self.sessions[key] = conversation
+        self.sessions[key] = (conversation, cache_salt)
         self.sessions.move_to_end(key)
         self.last_owner[key[1]] = owner
         if self.num_by_owner[owner] > self.max_per_owner and holds_a_share(owner):

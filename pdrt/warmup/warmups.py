@@ -85,13 +85,14 @@ class Warmups:
             self.counters["warmups_refused"] += 1
             return
         draft_id = self.new_id()
-        self.outbox.send(worker.address, DraftUpdate(draft_id, 0, ids, colocated=self.role == "colocated"))
+        self.outbox.send(worker.address, DraftUpdate(draft_id, 0, ids, colocated=self.role == "colocated",
+                                                     cache_salt=self.sessions.salt_of(session)))
         self.reservations.add(session, worker, draft_id)
         self.counters["warmups"] += 1
         self.counters["warmup_tokens"] += len(ids)
 
-    def remember(self, session: SessionKey, messages: list[dict[str, str]], answer: str) -> None:
-        self.sessions.record(session, messages, answer)
+    def remember(self, session: SessionKey, messages: list[dict[str, str]], answer: str, cache_salt: str = "") -> None:
+        self.sessions.record(session, messages, answer, cache_salt)
 
     def expire(self) -> None:
         for reservation in self.reservations.expire():
