@@ -7,7 +7,7 @@ docs/configuration.md lists them all, with their defaults and why.
     model = "/models/SmolLM2-135M-Instruct"   # default: the model `pdrt model fetch` installs
     host = "127.0.0.1"                        # where every socket of this node binds (an address peers reach)
     node = ""                                 # this node's name, in its workers' names: "decode-b-0"
-    mode = "disaggregated"                    # or "colocated"
+    mode = "auto"                             # "disaggregated" or "colocated"; auto: from a profile or the hardware
     transfer = "auto"                         # KV handoff: "auto", "shm" (same host only) or "tcp"
     cluster_key = ""                          # the internal plane's key (better: PDRT_CLUSTER_KEY)
 
@@ -209,7 +209,8 @@ class NodeConfig(_Table):
     model: str = ""
     host: str = "127.0.0.1"
     node: str = ""
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    mode: Literal["auto", "disaggregated", "colocated"] = "auto"  # auto: chosen where the node starts (node_mode.py)
+    mode_reason: str = ""  # set by pdrt: why `auto` chose the mode it did
     transfer: Literal["shm", "tcp", "auto", "cuda_ipc"] = "auto"
     cluster_key: str = ""  # pdrt/actors/cluster_key.py; `pdrt up` makes one per run when empty
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
@@ -227,6 +228,8 @@ class NodeConfig(_Table):
             raise ConfigError("[experimental] lease_s must be longer than heartbeat_s")
         if self.engine.device == "auto":  # made concrete once, where the node starts: its processes get it so
             self.engine.device = resolve_device("auto")
+        if self.mode == "auto":
+            self.mode, self.mode_reason = self._auto_mode()
         speculate = self.engine.speculate
         if speculate not in ("off", "prompt_lookup") and not Path(speculate).expanduser().exists():
             raise ConfigError(f"[engine] speculate is 'prompt_lookup', 'off' or a draft model's checkpoint; "
@@ -236,6 +239,15 @@ class NodeConfig(_Table):
         if not self.process_names():
             raise ConfigError("this node runs no process: enable the controller or the gateway, or give a worker "
                               "count")
+
+    def _auto_mode(self) -> tuple[str, str]:
+        if not self.controller.enabled or self.controller.host not in ("", self.host):
+            return "disaggregated", "a node of a cluster (its controller is elsewhere): set `mode` to choose"
+        if not (self.prefill.count and self.decode.count):
+            return "disaggregated", "this node runs prefill or decode workers only"
+        from pdrt.node_mode import choose_mode
+
+        return choose_mode(self)
 
     # -- addresses ------------------------------------------------------------
 
@@ -403,11 +415,10 @@ def load_node_config(path: str | None = None, overrides: dict[tuple[str, ...], o
     for key, value in (overrides or {}).items():
         if value is not None:
             _set(raw, key, value)
-    config = _convert(raw, path or "the node config")
-    if not config.model:
+    if not raw.get("model"):  # before the config is made: `mode = "auto"` looks for the model's profile
         from pdrt.models.fetch import default_model_dir, is_fetched
 
         if not is_fetched():
             raise ConfigError("no model given and the default model is not fetched; run `pdrt model fetch`")
-        config.model = str(default_model_dir())
-    return config
+        raw["model"] = str(default_model_dir())
+    return _convert(raw, path or "the node config")

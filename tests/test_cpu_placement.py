@@ -21,7 +21,8 @@ def node(own_cores: bool = True, threads: tuple[int, int] | None = None, **setti
     experimental = {"own_cores": own_cores}
     if threads is not None:
         experimental |= {"prefill_threads": threads[0], "decode_threads": threads[1]}
-    return NodeConfig.from_json(msgspec.json.encode({"model": "m", "experimental": experimental, **settings}))
+    settings = {"model": "m", "mode": "disaggregated", "experimental": experimental, **settings}
+    return NodeConfig.from_json(msgspec.json.encode(settings))
 
 
 def test_on_two_cores_the_decode_worker_gets_the_second_and_everything_else_the_first():
@@ -44,7 +45,7 @@ def test_a_decode_worker_that_borrows_prefill_threads_may_also_run_on_the_prefil
 
 
 @pytest.mark.parametrize("config, allowed", [
-    (NodeConfig(model="m"), [0, 1, 2, 3]),  # by default
+    (NodeConfig(model="m", mode="disaggregated"), [0, 1, 2, 3]),  # by default
     (node(threads=(1, 1)), [0]),  # the workers' threads outnumber the cores
     (node(threads=(1, 2), prefill={"count": 0}), [0, 1]),  # no core left for the rest
     (node(own_cores=False, threads=(1, 1)), [0, 1]),

@@ -39,7 +39,7 @@ def test_a_node_of_decode_workers_runs_them_alone_named_after_it_and_reaches_the
 
 
 def test_a_single_node_keeps_its_names_and_reaches_the_controller_on_its_own_host():
-    config = NodeConfig(model="/m", host="10.0.0.1")
+    config = NodeConfig(model="/m", mode="disaggregated", host="10.0.0.1")
     assert config.process_names() == ["controller", "prefill-0", "decode-0", "gateway"]
     assert config.controller_address == "tcp://10.0.0.1:7101"
     assert config.gateway_address == "tcp://10.0.0.1:7100"
@@ -74,7 +74,7 @@ def test_transfer_auto_is_accepted_and_an_unknown_one_is_not(tmp_path: Path):
 
 
 def test_secrets_from_the_environment_take_the_place_of_the_configs_and_nothing_else_does():
-    config = NodeConfig(model="/m")
+    config = NodeConfig(model="/m", mode="disaggregated")
     updated = with_secrets(config, {"PDRT_WARMUP_KEY": "k", "PDRT_PORT": "9999"})
     assert updated.warmup.key == "k" and updated.gateway.port == 7100
     assert with_secrets(config, {"PDRT_WARMUP_KEY": ""}) is config

@@ -243,7 +243,7 @@ def test_a_process_that_stayed_up_long_enough_or_served_is_not_counted_as_a_star
 
 
 def test_sigterm_stops_gateway_then_workers_then_controller_and_leaves_nothing_behind(events: Path):
-    config = NodeConfig(model="unused")
+    config = NodeConfig(model="unused", mode="disaggregated")
     supervisor = make_supervisor(config, events)
     pid = fork_supervisor(supervisor)
     wait_until(all_started(events, config))
@@ -261,7 +261,7 @@ def test_sigterm_stops_gateway_then_workers_then_controller_and_leaves_nothing_b
 
 
 def test_ctrl_c_drains_once_and_a_second_one_kills_everything_at_once(events: Path):
-    config = NodeConfig(model="unused")
+    config = NodeConfig(model="unused", mode="disaggregated")
     supervisor = make_supervisor(config, events, dict.fromkeys(config.process_names(), "stubborn"),
                                  stop_timeout_s=30.0)
     pid = fork_supervisor(supervisor, own_group=True)
@@ -282,7 +282,7 @@ def test_ctrl_c_drains_once_and_a_second_one_kills_everything_at_once(events: Pa
 
 
 def test_sigkill_of_the_supervisor_takes_its_children_down_and_the_next_run_cleans_up(events: Path, tmp_path: Path):
-    config = NodeConfig(model="unused")
+    config = NodeConfig(model="unused", mode="disaggregated")
     supervisor = make_supervisor(config, events)
     pid = fork_supervisor(supervisor)
     wait_until(all_started(events, config))
@@ -356,7 +356,7 @@ def fake_gateway() -> Iterator[Callable[[dict[str, bool]], FakeGateway]]:
 
 def test_prints_ready_once_the_gateway_reports_every_worker_alive(events: Path, fake_gateway, capsys):
     gateway = fake_gateway({"prefill-0": True, "decode-0": True})
-    config = NodeConfig(model="unused", gateway=GatewayConfig(port=gateway.port))
+    config = NodeConfig(model="unused", mode="disaggregated", gateway=GatewayConfig(port=gateway.port))
     supervisor = make_supervisor(config, events, ready_timeout_s=10.0, preflight=False)  # its port is the fake's
     gateway.on_full_status = supervisor.request_stop
 
@@ -370,7 +370,7 @@ def test_prints_ready_once_the_gateway_reports_every_worker_alive(events: Path, 
 
 def test_readiness_timeout_names_the_workers_that_never_became_ready(events: Path, fake_gateway):
     gateway = fake_gateway({"prefill-0": True, "decode-0": False})
-    config = NodeConfig(model="unused", gateway=GatewayConfig(port=gateway.port))
+    config = NodeConfig(model="unused", mode="disaggregated", gateway=GatewayConfig(port=gateway.port))
     supervisor = make_supervisor(config, events, ready_timeout_s=1.0, preflight=False)
 
     assert run_for(supervisor, 15.0) == 1
@@ -402,7 +402,7 @@ def test_flags_override_the_config_file_and_environment(tmp_path: Path):
 
 def test_flags_not_given_leave_file_and_environment_alone(tmp_path: Path):
     toml = tmp_path / "node.toml"
-    toml.write_text('model = "/from/file"\n[engine]\nkv_cache_bytes = 5\n')
+    toml.write_text('model = "/from/file"\nmode = "disaggregated"\n[engine]\nkv_cache_bytes = 5\n')
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--config", str(toml)])

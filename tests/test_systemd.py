@@ -50,6 +50,11 @@ decode_threads = 4
 """
 
 
+def split(**settings) -> NodeConfig:
+    """A node of prefill and decode workers, whatever this host's cores would choose."""
+    return NodeConfig(model="/m", mode="disaggregated", **settings)
+
+
 def config_from(tmp_path: Path, toml: str) -> NodeConfig:
     path = tmp_path / f"node-{uuid.uuid4().hex[:6]}.toml"
     path.write_text(toml)
@@ -97,7 +102,7 @@ def verify(paths: list[Path]) -> None:
 
 
 def test_default_node_gets_a_service_per_process_and_a_target_that_wants_them_all(tmp_path: Path):
-    units = render_units(NodeConfig(model="/m"), options(tmp_path))
+    units = render_units(split(), options(tmp_path))
 
     services = ["pdrt-controller.service", "pdrt-prefill-0.service", "pdrt-decode-0.service", "pdrt-gateway.service"]
     assert list(units) == [*services, "pdrt.target"]
@@ -118,11 +123,11 @@ def test_default_node_gets_a_service_per_process_and_a_target_that_wants_them_al
 def test_default_units_pass_systemd_analyze_verify(tmp_path: Path):
     if SYSTEMD_ANALYZE is None:
         pytest.skip("systemd-analyze is not installed")
-    verify(write(render_units(NodeConfig(model="/m"), options(tmp_path)), tmp_path / "units"))
+    verify(write(render_units(split(), options(tmp_path)), tmp_path / "units"))
 
 
 def test_workers_and_gateway_start_after_the_controller_and_the_gateway_after_the_workers(tmp_path: Path):
-    units = render_units(NodeConfig(model="/m"), options(tmp_path))
+    units = render_units(split(), options(tmp_path))
 
     assert value(units["pdrt-controller.service"], "After") == "network-online.target"
     for worker in ("prefill-0", "decode-0"):
@@ -143,20 +148,20 @@ def test_the_gateways_stop_timeout_covers_its_drain(tmp_path: Path):
 
 
 def test_restart_backoff_steps_only_for_systemd_254_and_later(tmp_path: Path):
-    old = render_units(NodeConfig(model="/m"), options(tmp_path, systemd_version=252))["pdrt-gateway.service"]
-    new = render_units(NodeConfig(model="/m"), options(tmp_path, systemd_version=254))["pdrt-gateway.service"]
+    old = render_units(split(), options(tmp_path, systemd_version=252))["pdrt-gateway.service"]
+    new = render_units(split(), options(tmp_path, systemd_version=254))["pdrt-gateway.service"]
     assert not values(old, "RestartSteps") and not values(old, "RestartMaxDelaySec")
     assert value(new, "RestartSteps") == "5" and value(new, "RestartMaxDelaySec") == "30s"
     assert value(old, "RestartSec") == value(new, "RestartSec") == "1s"
 
 
 def test_hardening_leaves_dev_shm_and_gpus_reachable(tmp_path: Path):
-    text = render_units(NodeConfig(model="/m"), options(tmp_path))["pdrt-prefill-0.service"]
+    text = render_units(split(), options(tmp_path))["pdrt-prefill-0.service"]
     assert value(text, "ProtectSystem") == "strict" and value(text, "PrivateTmp") == "yes"
     assert not values(text, "PrivateDevices") and not values(text, "DevicePolicy")
     assert not any("/dev/shm" in v for v in values(text, "InaccessiblePaths") + values(text, "ReadOnlyPaths"))
     assert value(text, "CacheDirectory") == "pdrt"
-    elsewhere = render_units(NodeConfig(model="/m"), options(tmp_path, cache_dir="/srv/pdrt cache"))
+    elsewhere = render_units(split(), options(tmp_path, cache_dir="/srv/pdrt cache"))
     assert value(elsewhere["pdrt-prefill-0.service"], "ReadWritePaths") == '-"/srv/pdrt cache"'
 
 
@@ -174,7 +179,7 @@ def test_gpus_threads_pinning_and_memory_limits_go_to_workers_alone(tmp_path: Pa
 
 
 def test_a_decode_worker_that_borrows_threads_is_pinned_to_the_prefill_workers_cpus_too(tmp_path: Path):
-    config = NodeConfig(model="/m", prefill=WorkerGroup(count=2), decode=WorkerGroup(count=1),
+    config = split(prefill=WorkerGroup(count=2), decode=WorkerGroup(count=1),
                         experimental=Experimental(prefill_threads=2, decode_threads=3))
     units = render_units(config, options(tmp_path, pin_cpus=True, num_cpus=8))
     assert [value(units[f"pdrt-{name}.service"], "CPUAffinity") for name in ("prefill-0", "prefill-1", "decode-0")] \
@@ -190,7 +195,7 @@ def test_a_decode_worker_that_borrows_threads_is_pinned_to_the_prefill_workers_c
 
 def test_gpus_for_a_cpu_engine_and_pinning_beyond_the_hosts_cpus_are_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="device"):
-        render_units(NodeConfig(model="/m"), options(tmp_path, gpus=["0"]))
+        render_units(split(), options(tmp_path, gpus=["0"]))
     with pytest.raises(ConfigError, match="CPUs"):
         render_units(config_from(tmp_path, NODE_B), options(tmp_path, pin_cpus=True, num_cpus=6))
 
@@ -206,7 +211,7 @@ def test_paths_with_blanks_and_percent_signs_are_quoted_and_escaped(tmp_path: Pa
     odd = tmp_path / "venv 1%" / "python"
     odd.parent.mkdir()
     odd.symlink_to(sys.executable)
-    units = render_units(NodeConfig(model="/m"), options(tmp_path, python=str(odd)))
+    units = render_units(split(), options(tmp_path, python=str(odd)))
     text = units["pdrt-gateway.service"]
     assert value(text, "ExecStart") == f'"{str(odd).replace("%", "%%")}" -m pdrt.process gateway'
     verify(write(units, tmp_path / "units"))
@@ -276,7 +281,7 @@ def test_pdrt_systemd_with_a_bad_config_writes_nothing(tmp_path: Path):
 
 def test_exec_stop_post_removes_its_own_processes_segments_and_no_other(tmp_path: Path):
     run_id = uuid.uuid4().hex[:10]
-    units = render_units(NodeConfig(model="/m", decode=WorkerGroup(count=11)), options(tmp_path, run_id=run_id))
+    units = render_units(split(decode=WorkerGroup(count=11)), options(tmp_path, run_id=run_id))
     names = ["decode-1-x", "decode-1-y", "decode-10-x", "prefill-1-x"]
     for name in names:
         Path(f"/dev/shm/pdrt-{run_id}-{name}").write_bytes(b"kv")

@@ -151,7 +151,8 @@ class Supervisor:
         self.run_dir = run_dir
         self.children = [Child(name, self.command_for(name), {**env, **self.environments[name]}, self.policy)
                          for name in self.config.process_names()]
-        self._log.info("starting node", mode=self.config.mode, processes=[c.name for c in self.children],
+        self._log.info("starting node", mode=self.config.mode, why=self.config.mode_reason or None,
+                       processes=[c.name for c in self.children],
                        config=str(config_path), device=self.config.engine.device,
                        gpus={name: v["CUDA_VISIBLE_DEVICES"] for name, v in self.environments.items() if v} or None)
         for child in self.children:

@@ -11,7 +11,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `up` flags. Each one that is given overrides the config file and the PDRT_* environment."""
     parser.add_argument("--config", metavar="FILE", help="node config (TOML); see pdrt/node_config.py")
     parser.add_argument("--model", help="checkpoint directory (default: the fetched SmolLM2)")
-    parser.add_argument("--colocated", action="store_true", help="colocated workers instead of prefill + decode")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--colocated", action="store_true", help="colocated workers (default: as the host suits)")
+    split.add_argument("--disaggregated", action="store_true", help="prefill + decode workers (default: as the "
+                                                                    "host suits)")
     parser.add_argument("--host", help="address every socket binds to")
     parser.add_argument("--port", type=int, help="gateway port")
     parser.add_argument("--controller-port", type=int)
@@ -29,7 +32,7 @@ def config_overrides(args: argparse.Namespace) -> dict[tuple[str, ...], object]:
     """Flag values as load_node_config overrides; flags not given are None and leave the setting alone."""
     return {
         ("model",): args.model,
-        ("mode",): "colocated" if args.colocated else None,
+        ("mode",): "colocated" if args.colocated else "disaggregated" if args.disaggregated else None,
         ("host",): args.host,
         ("gateway", "port"): args.port,
         ("controller", "port"): args.controller_port,

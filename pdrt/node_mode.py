@@ -1,0 +1,93 @@
+"""Which mode a node runs when its config leaves the choice to pdrt (`mode = "auto"`, the default), and why.
+
+With a profile of the model on this host (`pdrt profile`), the planner
+predicts the goodput of the node's workers colocated and split, at the
+node's SLOs on the chat workload, and the node runs whichever serves more
+(split on a tie). Without a profile, the hardware decides:
+
+* GPUs: split with two or more, so that prompts and decode steps each have
+  GPUs of their own; colocated on one, where the two would take turns on it.
+* CPU: split with MIN_SPLIT_CORES cores or more. On fewer, the prefill and
+  decode workers share cores with each other and with the gateway, so a
+  prompt's arithmetic delays decode steps as it would in one batch, and the
+  handoff and a second process's overheads are paid for nothing: one
+  colocated worker serves more (docs/benchmarks.md, on two cores).
+"""
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdrt.devices import cuda_device_count
+
+if TYPE_CHECKING:
+    from pdrt.node_config import NodeConfig
+
+MIN_SPLIT_CORES = 4
+PREDICTION_WORKLOAD = "chat"
+PREDICTION_SECONDS = 30.0  # of simulated arrivals per rate
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def choose_mode(config: "NodeConfig", profile_path: Path | None = None, cores: int | None = None,
+                seconds: float = PREDICTION_SECONDS) -> tuple[str, str]:
+    """The mode for `config` ("disaggregated" or "colocated") and the reason, in words for its log; `cores`:
+    those of the machine it runs on (default: this process's); `seconds` of arrivals simulated per rate."""
+    cores = cores or usable_cores()
+    if config.model and config.engine.device == "cpu":
+        from pdrt.planner.profile import default_profile_path
+
+        path = profile_path or default_profile_path(config.model)
+        if path.exists():
+            return _predicted(config, path, cores, seconds)
+    if config.engine.device.startswith("cuda"):
+        num_gpus = _num_gpus(config.engine.device, config.engine.gpus)
+        if num_gpus >= 2:
+            return "disaggregated", f"{num_gpus} GPUs: prompts and decode steps each get GPUs of their own"
+        return "colocated", "one GPU: prompts and decode steps would take turns on it anyway"
+    if cores >= MIN_SPLIT_CORES:
+        return "disaggregated", f"{cores} cores: prompts and decode steps each get cores of their own"
+    return "colocated", (f"{cores} cores, fewer than {MIN_SPLIT_CORES}: split workers would share them, and one "
+                         "colocated worker serves more (run `pdrt profile` to decide from this model's measured "
+                         "step times)")
+
+
+def _num_gpus(device: str, gpus: str) -> int:
+    """The GPUs a node of `device` spreads its workers over (those torch sees unless `gpus` names them); the
+    node checks them when it starts."""
+    if ":" in device:
+        return 1
+    named = [g for g in gpus.replace(" ", "").split(",") if g]
+    return len(named) if named else cuda_device_count()
+
+
+def _predicted(config: "NodeConfig", path: Path, cores: int, seconds: float) -> tuple[str, str]:
+    from pdrt.bench.runner import BenchOptions
+    from pdrt.bench.stats import Slo
+    from pdrt.bench.workloads import LengthLimits
+    from pdrt.planner.predict import predict
+    from pdrt.planner.profile import Profile
+    from pdrt.planner.simulator import Deployment
+
+    profile = Profile.load(path)
+    slo = Slo(config.gateway.ttft_slo_s, config.gateway.tpot_slo_s)
+    options = BenchOptions(workload=PREDICTION_WORKLOAD, duration_s=seconds, seed=0, slo=slo,
+                           max_model_len=profile.max_model_len)
+    limits = LengthLimits(profile.max_model_len)
+    costs, overheads = profile.cost_model(), profile.serving_overheads()
+    colocated = config.colocated.count
+    split = config.prefill.count + config.decode.count
+    rates = {
+        "colocated": predict(costs, Deployment(colocated=colocated, threads=max(1, cores // colocated)), cores,
+                             options, limits, overheads).goodput.rate,
+        "disaggregated": predict(costs, Deployment(prefill=config.prefill.count, decode=config.decode.count,
+                                                   threads=max(1, cores // split)), cores, options, limits,
+                                 overheads).goodput.rate,
+    }
+    mode = "colocated" if rates["colocated"] > rates["disaggregated"] else "disaggregated"
+    return mode, (f"predicted goodput at the SLOs ({slo.ttft_s:g} s TTFT, {slo.tpot_s:g} s TPOT, "
+                  f"{PREDICTION_WORKLOAD}): colocated {rates['colocated']:.3g} req/s, disaggregated "
+                  f"{rates['disaggregated']:.3g} req/s (profile {path})")
