@@ -7,6 +7,7 @@ and those started later inherit it from the one that starts them.
 import math
 import os
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -43,17 +44,23 @@ class CatchUp:
     the niceness it started with from the moment one has waited longer (the
     worker looks in during its steps too: a prompt started at niceness 10
     while decode workers keep both cores busy crawls for seconds) until none
-    has waited half as long. A small model's decode steps, bound by Python,
-    keep a core busy with the gateway and clients on the other: at nice 10
-    throughout, the prefill worker got what they left and TTFT broke first;
-    at its starting niceness throughout, it stretched decode steps whenever
-    long prompts came.
+    has waited half as long. At nice 10 throughout, a prefill worker gets
+    only what the decode workers, the gateway and the clients leave, and TTFT
+    breaks first; at its starting niceness throughout, it stretches decode
+    steps whenever long prompts come.
+
+    Both limits shrink with the decode steps' room: `room()` is the share of
+    the TPOT SLO that the decode workers' pace leaves unused (1: idle, or far
+    within it; 0: at it or past it). With all the room, a prompt takes the CPU
+    as soon as it waits; with none, only once it is late by the limits.
     """
 
-    def __init__(self, yield_nice: int, behind_s: float, name: str, late_s: float = math.inf) -> None:
+    def __init__(self, yield_nice: int, behind_s: float, name: str, late_s: float = math.inf,
+                 room: Callable[[], float] = lambda: 0.0) -> None:
         self.yield_nice = yield_nice
         self.behind_s = behind_s
         self.late_s = late_s
+        self.room = room
         self.name = name
         self.start_nice = os.getpriority(os.PRIO_PROCESS, 0)
         self.yielding = True
@@ -73,17 +80,23 @@ class CatchUp:
         `oldest_age_s`, how long the oldest one without its first token has been here (0: none)."""
         if not self.enabled:
             return
-        if self.yielding and (oldest_wait_s > self.behind_s or oldest_age_s > self.late_s):
+        behind_s, late_s = self._limits()
+        if self.yielding and (oldest_wait_s > behind_s or oldest_age_s > late_s):
             self._catch_up(oldest_wait_s, oldest_age_s)
-        elif not self.yielding and oldest_wait_s < self.behind_s / 2 and oldest_age_s < self.late_s / 2:
+        elif not self.yielding and oldest_wait_s <= behind_s / 2 and oldest_age_s <= late_s / 2:
             take_priority(self.yield_nice, self.name)
             self.yielding = True
             self._caught_up_s += time.monotonic() - self._caught_up_at
 
     def check(self, oldest_age_s: float) -> None:
         """During a step: catch up if the oldest prompt without its first token has been here over `late_s`."""
-        if self.enabled and self.yielding and oldest_age_s > self.late_s:
+        if self.enabled and self.yielding and oldest_age_s > self._limits()[1]:
             self._catch_up(0.0, oldest_age_s)
+
+    def _limits(self) -> tuple[float, float]:
+        """`behind_s` and `late_s` as the decode steps' room shrinks them."""
+        scale = 1.0 - min(1.0, max(0.0, self.room()))
+        return self.behind_s * scale, self.late_s * scale
 
     def _catch_up(self, oldest_wait_s: float, oldest_age_s: float) -> None:
         if not take_priority(self.start_nice, self.name):

@@ -3,17 +3,17 @@
 Every process of a node shares the host's cores: on a CPU node the workers'
 arithmetic, on a GPU node its few cores for Python. The profile decides:
 
-* `nice`: a prefill worker runs at PREFILL_NICE, the others at 0. A prompt's
-  seconds of arithmetic must not delay a decode step or a token on its way
-  out, and the kernel gives a runnable process of niceness 0 about ten
-  times the CPU of one at 10.
-* `catch_up_wait`: for a model below SMALL_MODEL_PARAMS a prompt takes
-  milliseconds while decode steps, bound by Python, keep a core busy; at
-  nice 10 throughout the prefill worker gets only what the rest leaves and
-  TTFT breaks first, at 0 throughout long prompts stretch the decode steps.
-  So such a prefill worker yields the CPU only while every prompt starts
-  within this fraction of the TTFT SLO and has its first token within
-  CATCH_UP_LATE of it (pdrt/priority.py, CatchUp).
+* `nice`: a prefill worker yields at PREFILL_NICE, the others run at 0. A
+  prompt's seconds of arithmetic must not delay a decode step or a token on
+  its way out, and the kernel gives a runnable process of niceness 0 about
+  ten times the CPU of one at 10.
+* `catch_up_wait`: but at nice 10 throughout the prefill worker gets only
+  what the rest leaves and TTFT breaks first, and at 0 throughout long
+  prompts stretch the decode steps. So a prefill worker yields the CPU only
+  while every prompt starts within this fraction of the TTFT SLO and has
+  its first token within CATCH_UP_LATE of it, limits that shrink as the
+  decode steps have room against the TPOT SLO (pdrt/priority.py, CatchUp):
+  the SLOs decide, for every model.
 * `borrow_threads`: on the CPU a decode worker runs each step with the
   threads of the run's idle prefill workers too (pdrt/roles/thread_ledger.py),
   for a model of SMALL_MODEL_PARAMS or more: a smaller model's step is
@@ -71,10 +71,9 @@ def prefill_nice(config: "NodeConfig") -> int:
     return PREFILL_NICE if nice is None else nice
 
 
-def catches_up(num_params: int, nice: int) -> bool:
-    """Whether a prefill worker at niceness `nice` of a model of `num_params` parameters yields the CPU only while
-    its prompts are on time (CatchUp) rather than throughout."""
-    return num_params < SMALL_MODEL_PARAMS and nice > 0
+def catches_up(nice: int) -> bool:
+    """Whether a prefill worker at niceness `nice` yields the CPU only while its prompts are on time (CatchUp)."""
+    return nice > 0
 
 
 def worker_profile(config: "NodeConfig", role: str, num_params: int) -> WorkerProfile:
@@ -87,7 +86,7 @@ def worker_profile(config: "NodeConfig", role: str, num_params: int) -> WorkerPr
         role=role,
         threads=config.threads_for(role),
         nice=nice if role == "prefill" else 0,
-        catch_up_wait=CATCH_UP_WAIT if role == "prefill" and catches_up(num_params, nice) else None,
+        catch_up_wait=CATCH_UP_WAIT if role == "prefill" and catches_up(nice) else None,
         borrow_threads=role == "decode" and config.engine.device == "cpu" and borrow,
         prompt_batch_tokens=prompt_batch_tokens(config, role),
     )

@@ -83,3 +83,25 @@ def test_a_prompt_without_its_first_token_too_long_takes_the_cpu_back_during_the
         assert seen == [{low}, {start}, {start}, {low}] and num_catch_ups == 1
     else:
         assert seen == [{low}] * 4 and num_catch_ups == 0
+
+
+def walk_through_rooms(results) -> None:
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    room = [1.0]
+    catch_up = CatchUp(min(start + 10, 19), behind_s=0.4, name="test", late_s=0.8, room=lambda: room[0])
+    seen = []
+    # Decode steps far within the TPOT SLO: a prompt takes the CPU as soon as it waits, gives it back once none is.
+    for room[0], wait_s in ((1.0, 0.01), (1.0, 0.0), (0.5, 0.1), (0.5, 0.25), (0.5, 0.05), (0.0, 0.3), (0.0, 0.5)):
+        # half the room: the limit is half (0.2 s); none: the whole (0.4 s)
+        catch_up.update(wait_s)
+        seen.append(niceness(os.getpid()))
+    results.put((start, seen, catch_up.num_catch_ups))
+
+
+def test_the_more_room_the_decode_steps_have_against_their_slo_the_sooner_a_waiting_prompt_takes_the_cpu():
+    start, seen, num_catch_ups = run_forked(walk_through_rooms)
+    low = min(start + 10, 19)
+    if may_return_to(start):
+        assert seen == [{start}, {low}, {low}, {start}, {low}, {low}, {start}] and num_catch_ups == 3
+    else:
+        assert seen == [{low}] * 7 and num_catch_ups == 0

@@ -70,3 +70,17 @@ def test_close_removes_the_workers_segment(ledger, tmp_path):
     prefill.close()
     assert not prefill.path.exists()
     assert ledger("decode-0").threads_for_step() == 1
+
+
+def test_a_prefill_worker_reads_the_pace_of_the_slowest_busy_decode_worker(ledger):
+    prefill = ledger("prefill-0")
+    fast, slow = ledger("decode-0"), ledger("decode-1")
+    assert prefill.decode_pace_s() == 0.0  # none busy: no pace to keep
+    fast.set_busy(True)
+    fast.add_pace(0.02)
+    slow.add_pace(0.09)
+    assert prefill.decode_pace_s() == pytest.approx(0.02)  # the idle one's pace does not count
+    slow.set_busy(True)
+    assert prefill.decode_pace_s() == pytest.approx(0.09)
+    slow.add_pace(0.19)  # smoothed: one slow step moves the pace part of the way
+    assert 0.09 < prefill.decode_pace_s() < 0.19

@@ -156,8 +156,9 @@ class Simulation:
         for w in self.workers:
             w.cores = model.parallelism(w.threads)
             w.weight = self.nice_weight if w.kind == "prefill" else 1.0
-        # A prefill worker that catches up takes its CPU back while a prompt has waited this long (CatchUp).
-        catching_up = catches_up(model.num_params, d.prefill_nice)
+        # A prefill worker that catches up takes its CPU back while a prompt has waited this long (CatchUp; the
+        # limits as they are when the decode steps have no room left, the case where they matter).
+        catching_up = catches_up(d.prefill_nice)
         self.catch_up_s = CATCH_UP_WAIT * ttft_slo_s if catching_up else None
         self.late_s = CATCH_UP_LATE * ttft_slo_s if catching_up else None  # ... or has been here this long
         self.gateway, self.client = _Worker("gateway", 1), _Worker("client", 1)

@@ -141,7 +141,7 @@ class EngineWorker(Actor):
         self._load = Load()
         self._load_measured_at = 0.0
         self.metrics = WorkerMetrics(self.role, self.engine, self.load)
-        self.catch_up: CatchUp | None = None  # a small model's prefill worker's (pdrt/worker_profile.py)
+        self.catch_up: CatchUp | None = None  # a prefill worker's (pdrt/worker_profile.py)
         self._ref: ActorRef | None = None
 
     def take_priority(self) -> None:
@@ -150,10 +150,17 @@ class EngineWorker(Actor):
         if profile.catch_up_wait is not None:
             slo_s = self.config.gateway.ttft_slo_s
             self.catch_up = self.metrics.catch_up = CatchUp(profile.nice, profile.catch_up_wait * slo_s,
-                                                            self.process_id, CATCH_UP_LATE * slo_s)
+                                                            self.process_id, CATCH_UP_LATE * slo_s, self._decode_room)
         else:
             self.catch_up = self.metrics.catch_up = None
             take_priority(profile.nice, self.process_id)
+
+    def _decode_room(self) -> float:
+        """The share of the TPOT SLO that the pace of this host's decode workers leaves (0 where unknown)."""
+        if self.ledger is None:
+            return 0.0
+        pace = self.ledger.decode_pace_s()
+        return 1.0 - pace / self.config.gateway.tpot_slo_s
 
     # -- messages -------------------------------------------------------------
 
@@ -316,8 +323,10 @@ class EngineWorker(Actor):
                 started = time.perf_counter()
                 outputs = await self._stepped(loop.run_in_executor(self.executor, self._step))
                 self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
-                self.step_guard.stepped(time.perf_counter(), bool(self.engine.last_batch.decodes),
-                                        self.engine.last_tokens_per_stream)
+                decoded = bool(self.engine.last_batch.decodes)
+                self.step_guard.stepped(time.perf_counter(), decoded, self.engine.last_tokens_per_stream)
+                if decoded and self.ledger is not None:
+                    self.ledger.add_pace((time.perf_counter() - started) / max(1.0, self.engine.last_tokens_per_stream))
                 if outputs:
                     self.emit(outputs)
                 for request_id, exc in self.engine.take_failed():

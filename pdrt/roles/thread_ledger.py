@@ -15,9 +15,13 @@ next step; until then (one decode step at most) the two share it. Prefill
 never borrows: its steps last seconds, and a decode worker that needed its
 core back would wait for one.
 
+A busy decode worker also publishes its pace, the seconds its recent steps
+took per token of a stream: a prefill worker reads how much room the decode
+steps have against the TPOT SLO there (pdrt/priority.py, CatchUp).
+
 The segments follow the run's naming, so the supervisor removes a crashed
-worker's with its KV pool. A segment holds two int32s, written whole and
-aligned: a reader sees the old or the new value, never a torn one.
+worker's with its KV pool. A segment holds four int32s, each written whole
+and aligned: a reader sees the old or the new value, never a torn one.
 """
 
 import mmap
@@ -33,7 +37,8 @@ log = structlog.get_logger(__name__)
 SHM_DIR = Path("/dev/shm")
 SUFFIX = "-threads"
 RESCAN_S = 1.0  # how stale the list of peers may be: workers restart rarely
-_LAYOUT = struct.Struct("<iii")  # threads, busy, role
+_LAYOUT = struct.Struct("<iiii")  # threads, busy, role, pace in microseconds per token
+PACE_SMOOTHING = 0.3  # the weight of the latest step in the published pace
 ROLE_CODES = {"prefill": 1, "decode": 2}
 
 
@@ -50,6 +55,7 @@ class ThreadLedger:
         self.path = shm_dir / f"{self.prefix}{process_id}{SUFFIX}"
         self._own = self._map(self.path, create=True)
         self._busy = False
+        self._pace_us = 0
         self._publish()
         self._peers: dict[Path, mmap.mmap] = {}
         self._scanned_at = float("-inf")
@@ -65,12 +71,19 @@ class ThreadLedger:
             os.close(fd)
 
     def _publish(self) -> None:
-        _LAYOUT.pack_into(self._own, 0, self.threads, int(self._busy), self.role)
+        _LAYOUT.pack_into(self._own, 0, self.threads, int(self._busy), self.role, self._pace_us)
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
             self._busy = busy
             self._publish()
+
+    def add_pace(self, seconds_per_token: float) -> None:
+        """A decode step took this long per token of each stream: fold it into the published pace."""
+        latest = min(int(seconds_per_token * 1e6), 2**31 - 1)
+        self._pace_us = latest if not self._pace_us else round(
+            (1 - PACE_SMOOTHING) * self._pace_us + PACE_SMOOTHING * latest)
+        self._publish()
 
     def set_role(self, role: str, borrow: bool) -> None:
         self.role, self.borrow = ROLE_CODES.get(role, 0), borrow
@@ -95,12 +108,20 @@ class ThreadLedger:
             self._rescan()
         idle, num_borrowers = 0, 1
         for mapping in self._peers.values():
-            threads, busy, role = _LAYOUT.unpack_from(mapping, 0)
+            threads, busy, role, _ = _LAYOUT.unpack_from(mapping, 0)
             if role == ROLE_CODES["prefill"] and not busy:
                 idle += max(0, threads)
             elif role == ROLE_CODES["decode"]:
                 num_borrowers += 1
         return self.threads + idle // num_borrowers
+
+    def decode_pace_s(self) -> float:
+        """The pace of the slowest busy decode worker of the run on this host, seconds per token; 0: none busy."""
+        if time.monotonic() - self._scanned_at > RESCAN_S:
+            self._rescan()
+        paces = [pace for _, busy, role, pace in (_LAYOUT.unpack_from(m, 0) for m in self._peers.values())
+                 if role == ROLE_CODES["decode"] and busy]
+        return max(paces, default=0) / 1e6
 
     def close(self) -> None:
         for mapping in self._peers.values():
