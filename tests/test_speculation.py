@@ -189,3 +189,14 @@ def test_acceptance_and_confidence_shorten_the_draft_and_a_left_out_sequence_is_
         gate.distribution("b", 0.05)  # a sampled sequence whose model is unsure of every token
     lengths = [gate.draft_lengths({"b": 8}, 1, 100)["b"] for _ in range(PROBE_EVERY)]
     assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 1
+
+
+def test_probes_are_spread_out_where_rows_are_dear_so_that_they_cost_little():
+    cheap = SpecGate(StepCost(0.020, 0.0005))  # batch 1, weights read dominate: probing every PROBE_EVERY pays
+    assert cheap.probe_every(1, 1) == PROBE_EVERY
+    dear = SpecGate(StepCost(0.002, 0.006))  # batch 8 on a CPU: a row costs nearly a stream's token
+    every = dear.probe_every(8, 8)
+    assert every > 4 * PROBE_EVERY
+    streams = {f"s{i}": 8 for i in range(8)}
+    probes = sum(sum(dear.draft_lengths(streams, 8, 100).values()) for _ in range(every))
+    assert probes == 8  # each stream probed once in `every` steps: 8 rows over steps of 8 rows, at most 1% more

@@ -21,16 +21,21 @@ expected tokens per second than the step yields without it: with E tokens
 expected from R rows, a token kept with probability p joins when
 p * cost(R) > per_row * E. A sequence none of whose tokens joins verifies
 nothing that step; one left out PROBE_EVERY steps in a row verifies one
-token, so that a stretch of copying is noticed again.
+token, so that a stretch of copying is noticed again. Probes are spread
+further apart where a row is dear (a large batch on a CPU, where each costs
+nearly a stream's token), so that together they cost at most
+MAX_PROBE_SHARE of the steps' time.
 """
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 PRIOR = 0.5  # acceptance rate of a sequence with no verification yet
 RATE_WEIGHT = 0.3  # of the newest verification in a sequence's acceptance rate
 TOP1_WEIGHT = 0.3  # of the newest distribution in a sequence's top-1 probability
-PROBE_EVERY = 16
+PROBE_EVERY = 16  # steps, at the least, between two probes of a sequence
+MAX_PROBE_SHARE = 0.01  # of the decode steps' time that probing may take
 COST_WINDOW = 256  # decode steps in the cost fit
 REFIT_EVERY = 16  # steps between two fits: a fit reads the whole window, too much for every step
 
@@ -100,15 +105,22 @@ class SpecGate:
                 continue
             lengths[rid] = j
             rows, expected, budget = rows + 1, expected + p, budget - 1
+        probe_every = self.probe_every(len(available), base_rows)
         for rid, num in available.items():
             s = self.stats.setdefault(rid, SeqStats())
             if lengths[rid]:
                 s.steps_without = 0
-            elif num and budget > 0 and s.steps_without + 1 >= PROBE_EVERY:
+            elif num and budget > 0 and s.steps_without + 1 >= probe_every:
                 lengths[rid], s.steps_without, budget = 1, 0, budget - 1
             else:
                 s.steps_without += 1
         return lengths
+
+    def probe_every(self, num_sequences: int, base_rows: int) -> int:
+        """Steps between two probes of a sequence, so that `num_sequences` probing cost at most MAX_PROBE_SHARE of
+        steps of `base_rows` rows."""
+        share = num_sequences * self.cost.per_row_s / max(self.cost(base_rows), 1e-9)
+        return max(PROBE_EVERY, math.ceil(share / MAX_PROBE_SHARE))
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification's outcome: tokens past the first rejected one say nothing, so they do not count."""
