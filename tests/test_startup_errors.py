@@ -1,5 +1,5 @@
 """A node that cannot start fails fast: a port in use, a KV pool that holds no block, shared memory too small for
-the pool. `pdrt up` exits non-zero within seconds, its last line naming the cause (the port, the path, the size);
+the pool, a draft model of another vocabulary. `pdrt up` exits non-zero within seconds, its last line naming the cause (the port, the path, the size);
 nothing is restarted over and over."""
 
 import socket
@@ -64,4 +64,13 @@ def test_shared_memory_too_small_for_the_pool_stops_the_node_naming_the_path_and
     pool = 1 << 44  # far more than any host's /dev/shm
     last, seconds = failure_of(Node(tmp_path, str(model_dirs["llama"]), engine={"kv_cache_bytes": pool}))
     assert "cannot start" in last and "/dev/shm" in last and f"pools of {pool} bytes" in last, last
+    assert seconds < FAIL_FAST_S
+
+
+def test_a_draft_model_of_another_vocabulary_stops_the_node_at_once_naming_both(model_dirs, tmp_path):
+    from pdrt.testing.tiny_model import build_tiny_model
+
+    draft = build_tiny_model(tmp_path / "v512", vocab_size=512)
+    last, seconds = failure_of(Node(tmp_path, str(model_dirs["llama"]), engine={"speculate": str(draft)}))
+    assert "cannot start" in last and "vocabulary (512 tokens) is not the target's" in last, last
     assert seconds < FAIL_FAST_S

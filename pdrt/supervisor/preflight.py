@@ -1,9 +1,10 @@
 """What `pdrt up` checks before it starts a process: the causes a restart cannot mend that it can see from outside.
 
 A port of the node's that another process holds, shared memory too small
-for the workers' KV pools, or a pool too small for one block of the model's
-KV would each make a process exit as soon as it tried, seconds into its
-start (after loading its model). Checked here
+for the workers' KV pools, a pool too small for one block of the model's
+KV, or a draft model of another vocabulary than the model's would each make
+a process exit as soon as it tried, seconds into its start (after loading
+its model). Checked here
 first, the run fails at once with the cause (the port, the path, the size).
 The processes check again themselves, since what is free now may be taken
 a moment later; a process that cannot start exits with status 2 either way.
@@ -64,11 +65,16 @@ def check_shared_memory(config: NodeConfig) -> None:
 MIN_KV_ELEMENT_BYTES = 2  # the narrowest KV dtype a worker may choose (16 bits)
 
 
+def _model_config(model: str) -> dict:
+    """A checkpoint directory's config.json (a multimodal one's text part); OSError or ValueError if unreadable."""
+    c = json.loads((Path(model).expanduser() / "config.json").read_text())
+    return c.get("text_config", c)
+
+
 def smallest_block_bytes(model: str, block_size: int) -> int | None:
     """The bytes of one KV block of `model` in its narrowest dtype, from its config.json; None if unreadable."""
     try:
-        c = json.loads((Path(model).expanduser() / "config.json").read_text())
-        c = c.get("text_config", c)
+        c = _model_config(model)
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         return 2 * c["num_hidden_layers"] * block_size * c.get("num_key_value_heads", heads) * head_dim \
@@ -86,8 +92,23 @@ def check_kv_pool(config: NodeConfig) -> None:
                           "raise [engine] kv_cache_bytes")
 
 
+def check_draft_model(config: NodeConfig) -> None:
+    """A draft model proposes token ids of the model's vocabulary, or none it can use."""
+    speculate = config.engine.speculate
+    if speculate in ("off", "prompt_lookup"):
+        return
+    try:
+        draft, target = _model_config(speculate)["vocab_size"], _model_config(config.model)["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # the workers load both and say what is wrong
+    if draft != target:
+        raise ConfigError(f"the draft model's vocabulary ({draft} tokens) is not the target's ({target}): "
+                          "[engine] speculate needs a draft model of the same vocabulary")
+
+
 def check(config: NodeConfig) -> None:
     """Raise ConfigError with the first cause found that would stop the node from starting."""
     check_ports(config)
     check_kv_pool(config)
+    check_draft_model(config)
     check_shared_memory(config)
