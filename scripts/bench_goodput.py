@@ -54,13 +54,10 @@ import asyncio
 import datetime
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -68,6 +65,7 @@ from transformers.utils.import_utils import is_serve_available
 
 from pdrt.bench import BenchOptions, RateResult, Slo, Target, goodput, make_driver, percentile, plan, run_rate
 from pdrt.bench.cpu_meter import CpuMeter, CpuUsage
+from pdrt.bench.peer_server import PeerServer
 from pdrt.bench.report import format_table
 from pdrt.bench.runner import BenchResult
 from pdrt.bench.vllm_server import DEFAULT_VENV, VLLM_VERSION, VllmServer, ensure_vllm
@@ -183,56 +181,19 @@ class DefaultServer(PdrtServer):
         return Target(f"http://127.0.0.1:{self.http_port}/v1")
 
 
-class HfServer:
-    """`transformers serve` on a free port, with the checkpoint preloaded, float32 like pdrt on CPU."""
+class HfServer(PeerServer):
+    """`transformers serve` with the checkpoint preloaded, float32 like pdrt on CPU."""
 
     process_name = "transformers serve"
 
     def __init__(self, workdir: Path, model: str, continuous_batching: bool) -> None:
-        self.port = free_port()
-        self.model = model
+        super().__init__(workdir, model, "hf-serve")
         self.continuous_batching = continuous_batching
-        self.log_path = workdir / f"hf-serve-{self.port}.log"
-        self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 180.0) -> "HfServer":
-        exe = Path(sys.executable).with_name("transformers")
+    def command(self) -> list[str]:
         cb = "--continuous-batching" if self.continuous_batching else "--no-continuous-batching"
-        with open(self.log_path, "w") as out:
-            self.process = subprocess.Popen([str(exe), "serve", cb, "--host", "127.0.0.1", "--port", str(self.port),
-                                             "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
-                                             self.model], stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"transformers serve exited; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"transformers serve did not answer in {timeout_s:.0f} s; log: {self.log_path}")
-
-    def target(self, protocol: str) -> Target:
-        return Target(f"http://127.0.0.1:{self.port}/v1", model=self.model)
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: uvicorn and any child it started
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        return [str(Path(sys.executable).with_name("transformers")), "serve", cb, "--host", "127.0.0.1", "--port",
+                str(self.port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning", self.model]
 
 
 # -- measuring ---------------------------------------------------------------------------------------------

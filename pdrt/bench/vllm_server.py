@@ -17,15 +17,11 @@ compilation off, so that a restart reuses the compile cache of the first start.
 """
 
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from pdrt.bench.driver import Target
-from pdrt.client.spawned_server import free_port
+from pdrt.bench.peer_server import PeerServer
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -87,20 +83,18 @@ def _cpu_list(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
-class VllmServer:
-    """`vllm serve MODEL` on a free port, float32 like pdrt on the CPU; the model is served under its path."""
+class VllmServer(PeerServer):
+    """`vllm serve MODEL`, float32 like pdrt on the CPU, with a KV cache of `kv_cache_bytes` (in whole GiB)."""
 
     process_name = "vllm serve"
+    start_timeout_s = 900.0  # its first start compiles the model
 
     def __init__(self, workdir: Path, model: str, kv_cache_bytes: int, max_model_len: int,
                  venv: Path = DEFAULT_VENV) -> None:
-        self.port = free_port()
-        self.model = model
+        super().__init__(workdir, model, "vllm-serve")
         self.kv_cache_gib = max(1, kv_cache_bytes >> 30)
         self.max_model_len = max_model_len
         self.venv = venv
-        self.log_path = workdir / f"vllm-serve-{self.port}.log"
-        self.process: subprocess.Popen | None = None
 
     def environment(self) -> dict[str, str]:
         preload = [str(tcmalloc()), str(self.venv / "lib" / "libiomp5.so")]
@@ -110,45 +104,11 @@ class VllmServer:
                     VLLM_CPU_OMP_THREADS_BIND=_cpu_list(sorted(os.sched_getaffinity(0))),
                     VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_USE_AOT_COMPILE="0")
 
-    def start(self, timeout_s: float = 900.0) -> "VllmServer":
+    def command(self) -> list[str]:
+        return [str(self.venv / "bin" / "vllm"), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+
+    def start(self) -> "VllmServer":
         ensure_vllm(self.venv)
-        command = [str(self.venv / "bin" / "vllm"), "serve", self.model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-                   "--disable-uvicorn-access-log"]
-        with open(self.log_path, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.environment(),
-                                            start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with status {self.process.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"vllm serve did not answer in {timeout_s:.0f} s; log: {self.log_path}")
-
-    def target(self, protocol: str = "http") -> Target:
-        return Target(f"http://127.0.0.1:{self.port}/v1", model=self.model)
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def stop(self) -> None:
-        """SIGTERM to its process group (the API server and its engine-core process), SIGKILL after 30 s."""
-        if self.process is None:
-            return
-        try:  # the group outlives a leader that died first, while its engine-core process runs on
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        super().start()
+        return self
