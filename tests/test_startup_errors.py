@@ -1,6 +1,6 @@
 """A node that cannot start fails fast: a port in use, a KV pool that holds no block, shared memory too small for
-the pool, a draft model of another vocabulary. `pdrt up` exits non-zero within seconds, its last line naming the cause (the port, the path, the size);
-nothing is restarted over and over."""
+the pool, a draft model of another vocabulary. `pdrt up` exits non-zero within seconds, its last line naming the
+cause (the port, the path, the size); nothing is restarted over and over."""
 
 import socket
 import time
