@@ -133,7 +133,7 @@ def workers():
 @pytest.fixture
 def table(model_dirs, tokenizer, workers):
     """A gateway's request table routing to `workers`; what it sends its clients is in `table.replies`."""
-    config = NodeConfig.from_json(msgspec.json.encode({"model": str(model_dirs["llama"])}))
+    config = NodeConfig.from_json(msgspec.json.encode({"model": str(model_dirs["llama"]), "mode": "disaggregated"}))
     ctx = zmq.asyncio.Context()
     router = Router()
     router.update([info for info, _ in workers.values()])

@@ -89,10 +89,12 @@ def test_the_decode_worker_borrows_the_idle_prefill_workers_thread(served):
     assert total(after, name, process="decode-0") > total(before, name, process="decode-0")
 
 
-def test_the_prefill_worker_of_a_model_that_small_reports_its_catch_ups(served):
-    _, after = served  # eight short prompts under a TTFT SLO of 1 s: none waited a quarter of it
-    for name in ("pdrt_prefill_catch_ups_total", "pdrt_prefill_caught_up_seconds_total"):
-        assert [(labels["process"], value) for labels, value in samples(after, name)] == [("prefill-0", 0.0)]
+def test_the_prefill_worker_reports_its_catch_ups(served):
+    _, after = served  # a prompt that waits while the decode worker has room takes the CPU: it may have
+    catch_ups, seconds = ([(labels["process"], value) for labels, value in samples(after, name)]
+                          for name in ("pdrt_prefill_catch_ups_total", "pdrt_prefill_caught_up_seconds_total"))
+    assert [p for p, _ in catch_ups] == [p for p, _ in seconds] == ["prefill-0"]
+    assert catch_ups[0][1] >= 0 and (seconds[0][1] > 0) == (catch_ups[0][1] > 0)
 
 
 def test_the_merged_exposition_is_valid_labelled_and_holds_the_indices_in_range(node, served):
