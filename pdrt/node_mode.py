@@ -14,7 +14,6 @@ node's SLOs on the chat workload, and the node runs whichever serves more
   colocated worker serves more (docs/benchmarks.md, on two cores).
 """
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,15 +27,14 @@ PREDICTION_WORKLOAD = "chat"
 PREDICTION_SECONDS = 30.0  # of simulated arrivals per rate
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
 def choose_mode(config: "NodeConfig", profile_path: Path | None = None, cores: int | None = None,
                 seconds: float = PREDICTION_SECONDS) -> tuple[str, str]:
     """The mode for `config` ("disaggregated" or "colocated") and the reason, in words for its log; `cores`:
     those of the machine it runs on (default: this process's); `seconds` of arrivals simulated per rate."""
-    cores = cores or usable_cores()
+    if not cores:
+        from pdrt.cpu_placement import allowed_cores  # it imports the node config, which imports this lazily
+
+        cores = len(allowed_cores())
     if config.model and config.engine.device == "cpu":
         from pdrt.planner.profile import default_profile_path
 

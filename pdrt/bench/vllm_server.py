@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from pdrt.bench.peer_server import PeerServer
+from pdrt.cpu_placement import allowed_cores
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -101,7 +102,7 @@ class VllmServer(PeerServer):
         if os.environ.get("LD_PRELOAD"):
             preload.append(os.environ["LD_PRELOAD"])
         return dict(os.environ, LD_PRELOAD=":".join(preload), VLLM_TARGET_DEVICE="cpu",
-                    VLLM_CPU_OMP_THREADS_BIND=_cpu_list(sorted(os.sched_getaffinity(0))),
+                    VLLM_CPU_OMP_THREADS_BIND=_cpu_list(allowed_cores()),
                     VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_USE_AOT_COMPILE="0")
 
     def command(self) -> list[str]:

@@ -323,10 +323,10 @@ class EngineWorker(Actor):
                 started = time.perf_counter()
                 outputs = await self._stepped(loop.run_in_executor(self.executor, self._step))
                 self.metrics.stepped(started, self.step_threads - self.engine.config.num_threads)
-                decoded = bool(self.engine.last_batch.decodes)
-                self.step_guard.stepped(time.perf_counter(), decoded, self.engine.last_tokens_per_stream)
+                ended, decoded = time.perf_counter(), bool(self.engine.last_batch.decodes)
+                self.step_guard.stepped(ended, decoded, self.engine.last_tokens_per_stream)
                 if decoded and self.ledger is not None:
-                    self.ledger.add_pace((time.perf_counter() - started) / max(1.0, self.engine.last_tokens_per_stream))
+                    self.ledger.add_pace((ended - started) / max(1.0, self.engine.last_tokens_per_stream))
                 if outputs:
                     self.emit(outputs)
                 for request_id, exc in self.engine.take_failed():

@@ -14,11 +14,9 @@ salt, requests share one cache, as they always have.
 """
 
 import hashlib
-import re
 
 from pdrt.http.server import HTTP_IDENTITY
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SEPARATOR = b"/"
 
 
