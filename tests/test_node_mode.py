@@ -39,4 +39,6 @@ def test_with_a_profile_the_mode_is_the_one_the_planner_predicts_serves_more(mod
     mode, why = choose_mode(config, path, cores=2, seconds=2.0)  # few requests: the tiny model serves hundreds a s
     rates = dict(re.findall(r"(colocated|disaggregated) ([0-9.e+-]+) req/s", why))
     assert set(rates) == {"colocated", "disaggregated"} and str(path) in why
-    assert mode == ("colocated" if float(rates["colocated"]) > float(rates["disaggregated"]) else "disaggregated")
+    colocated, split = float(rates["colocated"]), float(rates["disaggregated"])
+    if colocated != split:  # the reason shows 3 digits: rates equal there may still differ, either way
+        assert mode == ("colocated" if colocated > split else "disaggregated")
