@@ -19,6 +19,9 @@ from tests.system_client import used_blocks, wait_for
 MAX_TOKENS = 120
 KV_LEASE_S = 3.0
 SOAK_S = 120.0
+# Streams long enough that the dead gateway's copies are still running when the workers learn it is lost (the
+# supervisor reports the exit, the controller tells every worker): otherwise they finish first and none is dropped.
+OUTLIVING_TOKENS = 800
 STABLE_S = RestartPolicy().stable_after_s
 
 
@@ -76,7 +79,7 @@ def test_a_killed_gateway_loses_no_logprob_and_no_draft_and_its_workers_drop_its
     """Streams with logprobs, half of them typed as drafts (which the lost gateway took with it): each is resumed,
     equal to an undisturbed run, logprobs included; the workers drop the dead gateway's copies at once."""
     texts = [tokenizer.decode(p[:200]) for p in prompts[11:13]]
-    streams = batch([prompts[3][:300], texts[0], prompts[5][:300], texts[1]], MAX_TOKENS, ignore_eos=True,
+    streams = batch([prompts[3][:300], texts[0], prompts[5][:300], texts[1]], OUTLIVING_TOKENS, ignore_eos=True,
                     logprobs=True)
     undisturbed = run_streams(node.address, streams)
     logged = node.log_path.stat().st_size
