@@ -13,6 +13,7 @@ import zmq.asyncio
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdrt.engine import EngineConfig, LLMEngine
+from pdrt.engine.attention import AttentionMetadata, PrefillSpan
 from pdrt.engine.model_loader import LoadedModel, load_model
 from pdrt.node_config import NodeConfig
 from pdrt.roles.messaging import Outbox
@@ -55,6 +56,16 @@ def prompts(tokenizer) -> list[list[int]]:
 
     ids = tokenizer(inspect.getsource(difflib) + inspect.getsource(logging))["input_ids"]
     return [ids[i * 37 : i * 37 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def prompt_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """The decoder's logits `[len(ids), vocab]` for a prompt prefilled from an empty pool."""
+    runner = LLMEngine(EngineConfig(model="decoder", num_blocks=64), loaded=loaded).runner
+    n = len(ids)
+    meta = AttentionMetadata(runner.pool, runner.workspace, runner.columns[:n], 0, None,
+                             [PrefillSpan(0, n, 0, None, None)])
+    with torch.inference_mode():
+        return loaded.decoder(torch.tensor([ids]), runner.columns[:n].unsqueeze(0), 0, meta)
 
 
 class Reference:

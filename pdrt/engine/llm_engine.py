@@ -92,7 +92,7 @@ class LLMEngine:
                                    DraftLimits(config.min_draft_chunk, config.min_draft_step, max_draft_tokens,
                                                int(num_blocks * config.max_draft_pool_fraction)),
                                    config.prompt_batch_tokens)
-        self.runner = ModelRunner(self.loaded.model, self.pool, self.max_model_len)
+        self.runner = ModelRunner(self.loaded.decoder, self.pool, self.max_model_len)
         self.sampler = Sampler()
         self.speculator = self._speculator(config)
         self.sequences: dict[str, Sequence] = {}

@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from pdrt.engine.attention import ATTENTION_NAME
 from pdrt.engine.cpu_linear import pack_linears
+from pdrt.engine.decoder import Decoder, fuse_projections
 from pdrt.errors import ModelLoadError, UnsupportedModelError
 
 # Architectures whose attention modules call the AttentionInterface with
@@ -25,6 +26,7 @@ class LoadedModel:
     context_length: int
     eos_token_ids: list[int]
     num_params: int  # counted before packing: packed weights are not parameters
+    decoder: Decoder | None = None  # pdrt's forward over the paged pool; None where transformers keeps the cache
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -84,12 +86,17 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", attention: s
         raise ModelLoadError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(torch_device).eval()
     num_params = sum(p.numel() for p in model.parameters())
+    decoder = None
+    if attention == ATTENTION_NAME:
+        fuse_projections(model)
     pack_linears(model)  # float32 on the CPU: oneDNN on weights packed once (pdrt/engine/cpu_linear.py)
+    if attention == ATTENTION_NAME:
+        decoder = Decoder(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except (OSError, ValueError):
         tokenizer = None  # token-id-only use is still possible
-    return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model), num_params)
+    return LoadedModel(model, tokenizer, _context_length(config), _eos_token_ids(model), num_params, decoder)
 
 
 def load_tokenizer(path: str) -> tuple[Any, int, int]:

@@ -1,4 +1,4 @@
-"""Runs one packed engine step through the transformers model over the paged pool."""
+"""Runs one packed engine step through the model's forward (pdrt/engine/decoder.py) over the paged pool."""
 
 from array import array
 
@@ -6,6 +6,7 @@ import torch
 
 from pdrt.engine import cpu_attention
 from pdrt.engine.attention import AttentionMetadata, DecodeGather, DecodeTables, GatherWorkspace, PrefillSpan
+from pdrt.engine.decoder import Decoder
 from pdrt.engine.kv_pool import KVPool
 from pdrt.engine.paged_kernels import PagedKernels, page_table
 from pdrt.engine.scheduler import ScheduledBatch
@@ -20,8 +21,8 @@ class ModelRunner:
     visible share of a decode step.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, max_model_len: int) -> None:
-        self.model = model
+    def __init__(self, decoder: Decoder, pool: KVPool, max_model_len: int) -> None:
+        self.decoder = decoder
         self.pool = pool
         self.device = pool.tensor.device
         self.dtype = pool.tensor.dtype
@@ -34,7 +35,7 @@ class ModelRunner:
                                          layout.dtype, self.device)
         self.decode_kernel = cpu_attention.load() if cpu_attention.supports(self.device, self.dtype,
                                                                             layout.head_dim) else None
-        self.kernels = PagedKernels.load(pool, model.config.num_attention_heads)  # FlashInfer on a GPU
+        self.kernels = PagedKernels.load(pool, decoder.num_heads)  # FlashInfer on a GPU
         # Sliced for length masks. A decode's padded length may round up past
         # max_model_len to a whole block.
         self.columns = torch.arange(max_model_len + self.block_size, device=self.device)
@@ -141,8 +142,7 @@ class ModelRunner:
         positions = self.columns[:num_rows].unsqueeze(0)
         meta = AttentionMetadata(self.pool, self.workspace, self.columns[:num_rows], 0, None,
                                  [PrefillSpan(0, num_rows, 0, None, None)])
-        self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=num_rows,
-                   pdrt_attention=meta)
+        self.decoder(ids, positions, 0, meta)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -150,7 +150,5 @@ class ModelRunner:
         then its proposals'), then the last row of each prompt that ends in this step."""
         input_ids, positions, keep, meta = self.prepare(batch)
         if keep.numel() == input_ids.shape[1]:
-            keep = 0  # every row is sampled: transformers keeps them all without an index copy
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
-                         pdrt_attention=meta)
-        return out.logits[0]
+            keep = 0  # every row is sampled: all are kept without an index copy
+        return self.decoder(input_ids, positions, keep, meta)
