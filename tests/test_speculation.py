@@ -8,7 +8,7 @@ import pytest
 from pdrt.engine import SamplingParams
 from pdrt.engine.proposers import MAX_PROPOSAL, DraftModel, PromptLookup
 from pdrt.engine.sequence import Sequence
-from pdrt.engine.spec_gate import PROBE_EVERY, REFIT_EVERY, SpecGate, StepCost
+from pdrt.engine.spec_gate import PROBE_EVERY, REFIT_EVERY, SeqStats, SpecGate, StepCost
 
 LONG = 40
 
@@ -161,13 +161,32 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
 def test_the_step_cost_is_fitted_on_steps_that_vary():
     cost = StepCost(0.010, 0.001)
     for _ in range(REFIT_EVERY):
-        cost.observe(1, 0.02)
+        cost.observe(1, 1, 0.02)
     assert (cost.fixed_s, cost.per_row_s) == (0.010, 0.001)  # no spread yet: the prior stands
     cost = StepCost(0.010, 0.001)
-    for rows in [1, 5, 9] * (REFIT_EVERY // 3 + 1):  # fitted once REFIT_EVERY steps are in
-        cost.observe(rows, 0.02 + 0.002 * rows)
+    for batch in [1, 5, 9] * (REFIT_EVERY // 3 + 1):  # fitted once REFIT_EVERY steps are in
+        cost.observe(batch, batch, 0.02 + 0.002 * batch)
     assert (cost.fixed_s, cost.per_row_s) == (pytest.approx(0.02), pytest.approx(0.002))
-    assert cost(10) == pytest.approx(0.04)
+    assert cost.at(10) == (pytest.approx(0.04), pytest.approx(0.002))
+
+
+def test_a_batch_size_is_priced_by_its_own_steps_where_its_first_rows_cost_most():
+    """Batch 8 on a CPU: the line through batch-1 and batch-8 steps says a row costs 1 ms, where at batch 8 the
+    first rows past the batch cost 5 ms each (the attention threads fall out of balance), and the gate that
+    believed the line would verify proposals that do not pay there."""
+    cost = StepCost(0.040, 0.001)
+    steps = [(1, 1, 0.041), (1, 3, 0.043), (8, 8, 0.048), (8, 9, 0.053), (8, 10, 0.058)]
+    for _ in range(4 * REFIT_EVERY // len(steps) + 1):
+        for step in steps:
+            cost.observe(*step)
+    assert cost.at(8) == (pytest.approx(0.048), pytest.approx(0.005))
+    assert cost.at(1) == (pytest.approx(cost.fixed_s + cost.per_row_s), pytest.approx(cost.per_row_s))
+    assert cost.per_row_s < 0.002  # the line, for a batch without its own steps
+    streams = {f"s{i}": 8 for i in range(8)}
+    for priced_by, expected_rows in ((StepCost(cost.fixed_s, cost.per_row_s), 8), (cost, 0)):
+        gate = SpecGate(priced_by)
+        gate.stats = {s: SeqStats(rate=0.45) for s in streams}  # pays at 1 ms a row (0.45 * 48 > 8), not at 5
+        assert sum(gate.draft_lengths(streams, 8, 100).values()) == expected_rows
 
 
 def test_the_gate_speculates_where_rows_are_cheap_and_not_where_each_costs_a_token():

@@ -1,9 +1,14 @@
 """How many proposed tokens each decoding sequence verifies in a step: as many as make the step pay.
 
-A decode step costs about `fixed + per_row * rows` seconds (`StepCost`,
+A decode step of b sequences and r rows (their tokens and the proposals
+they verify) costs `cost_b + per_row_b * (r - b)` seconds (`StepCost`,
 fitted on this engine's own steps): where reading the weights dominates
 (a small batch) rows are cheap, and where arithmetic does (a large batch, a
-CPU) each costs nearly as much as a stream's token. A sequence keeps its
+CPU) each costs nearly as much as a stream's token. Each batch size gets its
+own fit, from its own steps: the cost of a row is not a straight line
+across batch sizes (on a CPU the first rows past a batch cost most, as the
+threads' shares of attention fall out of balance), so one line through
+steps of every size prices a batch-8 row at what it costs at batch 1. A sequence keeps its
 j-th proposed token with a probability of about a**j, where a is its
 acceptance estimate:
 
@@ -16,10 +21,12 @@ acceptance estimate:
   sequence keeps a proposal whenever it is the most likely token, however
   sure the model is of it: its rate alone says.
 
-The gate adds proposed tokens, likeliest first, while each adds more
-expected tokens per second than the step yields without it: with E tokens
-expected from R rows, a token kept with probability p joins when
-p * cost(R) > per_row * E. A sequence none of whose tokens joins verifies
+The gate adds proposed tokens, likeliest first, while each adds clearly
+more expected tokens per second than the step yields without it: with E
+tokens expected from a step of cost C, a token kept with probability p joins
+when p * C > MIN_GAIN * per_row * E. (At break-even a row gains nothing,
+and the prices are estimates from noisy steps: a row must be worth more
+than it costs by a margin, or a misjudged price would make speculation cost.) A sequence none of whose tokens joins verifies
 nothing that step; one left out PROBE_EVERY steps in a row verifies one
 token, so that a stretch of copying is noticed again. Probes are spread
 further apart where a row is dear (a large batch on a CPU, where each costs
@@ -28,16 +35,19 @@ MAX_PROBE_SHARE of the steps' time.
 """
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
 PRIOR = 0.5  # acceptance rate of a sequence with no verification yet
 RATE_WEIGHT = 0.3  # of the newest verification in a sequence's acceptance rate
 TOP1_WEIGHT = 0.3  # of the newest distribution in a sequence's top-1 probability
+MIN_GAIN = 1.25  # what a proposed row must be expected to give, over what it costs
 PROBE_EVERY = 16  # steps, at the least, between two probes of a sequence
 MAX_PROBE_SHARE = 0.01  # of the decode steps' time that probing may take
 COST_WINDOW = 256  # decode steps in the cost fit
 REFIT_EVERY = 16  # steps between two fits: a fit reads the whole window, too much for every step
+MIN_BATCH_STEPS = 8  # steps with and without proposals each, in the window, to price a batch size on its own
 
 
 @dataclass(slots=True)
@@ -48,37 +58,58 @@ class SeqStats:
 
 
 class StepCost:
-    """Seconds of a decode step against its rows, fitted by least squares on recent steps (every REFIT_EVERY
-    of them); until they vary enough, on two timed at start-up."""
+    """Seconds of a decode step against its batch and rows.
+
+    A batch size with enough recent steps both with and without proposals
+    is priced from those alone: its cost is the median of its steps without
+    proposals, and a row the median of what each step with proposals cost
+    past that, per row (medians, as a shared machine's steps are noisy).
+    Other batch sizes use a least-squares line through every recent step
+    (refitted every REFIT_EVERY steps), and until the steps vary enough, two
+    forward passes timed at start-up."""
 
     def __init__(self, fixed_s: float, per_row_s: float) -> None:
         self.prior = (fixed_s, max(per_row_s, 0.0))
-        self.steps: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)  # (batch, rows, seconds)
         self.num_observed = 0
         self.fixed_s, self.per_row_s = self.prior
+        self.batches: dict[int, tuple[float, float]] = {}  # batch -> (its cost without proposals, per row)
 
     @classmethod
     def from_timings(cls, rows: tuple[int, int], seconds: tuple[float, float]) -> "StepCost":
         per_row = (seconds[1] - seconds[0]) / (rows[1] - rows[0])
         return cls(max(seconds[0] - per_row * rows[0], 0.0), per_row)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self.steps.append((rows, seconds))
+    def observe(self, batch: int, rows: int, seconds: float) -> None:
+        self.steps.append((batch, rows, seconds))
         self.num_observed += 1
         if self.num_observed % REFIT_EVERY:
             return
+        self._fit_line()
+        self._fit_batch(batch)
+
+    def _fit_line(self) -> None:
         n = len(self.steps)
-        mean_r = sum(r for r, _ in self.steps) / n
-        var = sum((r - mean_r) ** 2 for r, _ in self.steps)
+        mean_r = sum(r for _, r, _ in self.steps) / n
+        var = sum((r - mean_r) ** 2 for _, r, _ in self.steps)
         if var < n * 0.25:  # rows hardly varied: the slope is not in these steps
             return
-        mean_s = sum(s for _, s in self.steps) / n
-        slope = sum((r - mean_r) * (s - mean_s) for r, s in self.steps) / var
+        mean_s = sum(s for _, _, s in self.steps) / n
+        slope = sum((r - mean_r) * (s - mean_s) for _, r, s in self.steps) / var
         self.per_row_s = max(slope, 0.0)
         self.fixed_s = max(mean_s - self.per_row_s * mean_r, 0.0)
 
-    def __call__(self, rows: int) -> float:
-        return self.fixed_s + self.per_row_s * rows
+    def _fit_batch(self, batch: int) -> None:
+        plain = [s for b, r, s in self.steps if b == batch and r == batch]
+        extra = [(r - batch, s) for b, r, s in self.steps if b == batch and r > batch]
+        if len(plain) < MIN_BATCH_STEPS or len(extra) < MIN_BATCH_STEPS:
+            return
+        base = statistics.median(plain)
+        self.batches[batch] = (base, max(statistics.median((s - base) / k for k, s in extra), 0.0))
+
+    def at(self, batch: int) -> tuple[float, float]:
+        """A step of `batch` sequences without proposals, and each row more, in seconds."""
+        return self.batches.get(batch) or (self.fixed_s + self.per_row_s * batch, self.per_row_s)
 
 
 class SpecGate:
@@ -99,12 +130,13 @@ class SpecGate:
             a = self.acceptance(rid)
             candidates += [(a ** j, rid, j) for j in range(1, num + 1)]
         candidates.sort(key=lambda c: -c[0])
-        rows, expected = base_rows, float(base_rows)
+        step_s, per_row_s = self.cost.at(base_rows)
+        expected = float(base_rows)
         for p, rid, j in candidates:
-            if budget <= 0 or lengths[rid] != j - 1 or p * self.cost(rows) <= self.cost.per_row_s * expected:
+            if budget <= 0 or lengths[rid] != j - 1 or p * step_s <= MIN_GAIN * per_row_s * expected:
                 continue
             lengths[rid] = j
-            rows, expected, budget = rows + 1, expected + p, budget - 1
+            step_s, expected, budget = step_s + per_row_s, expected + p, budget - 1
         probe_every = self.probe_every(len(available), base_rows)
         for rid, num in available.items():
             s = self.stats.setdefault(rid, SeqStats())
@@ -119,7 +151,8 @@ class SpecGate:
     def probe_every(self, num_sequences: int, base_rows: int) -> int:
         """Steps between two probes of a sequence, so that `num_sequences` probing cost at most MAX_PROBE_SHARE of
         steps of `base_rows` rows."""
-        share = num_sequences * self.cost.per_row_s / max(self.cost(base_rows), 1e-9)
+        step_s, per_row_s = self.cost.at(base_rows)
+        share = num_sequences * per_row_s / max(step_s, 1e-9)
         return max(PROBE_EVERY, math.ceil(share / MAX_PROBE_SHARE))
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:

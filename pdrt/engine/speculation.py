@@ -113,7 +113,8 @@ class Speculator:
                 rows: list[Sequence]) -> None:
         """After the step: its cost, what the decode rows gave, the target's confidence per sequence."""
         if batch.decodes and not batch.prefills:
-            self.gate.cost.observe(len(batch.decodes) + sum(len(s.proposal) for s in batch.decodes),
+            batch_size = len(batch.decodes)
+            self.gate.cost.observe(batch_size, batch_size + sum(len(s.proposal) for s in batch.decodes),
                                    time.perf_counter() - self.step_started)
         self.num_decode_tokens += num_decode_tokens
         self.num_decode_seq_steps += len(batch.decode_samples)
