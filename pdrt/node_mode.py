@@ -14,6 +14,9 @@ node's SLOs on the chat workload, and the node runs whichever serves more
   colocated worker serves more (docs/benchmarks.md, on two cores).
 """
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 MIN_SPLIT_CORES = 4
 PREDICTION_WORKLOAD = "chat"
 PREDICTION_SECONDS = 30.0  # of simulated arrivals per rate
+MAX_CACHED_PREDICTIONS = 32
 
 
 def choose_mode(config: "NodeConfig", profile_path: Path | None = None, cores: int | None = None,
@@ -63,29 +67,59 @@ def _num_gpus(device: str, gpus: str) -> int:
 
 
 def _predicted(config: "NodeConfig", path: Path, cores: int, seconds: float) -> tuple[str, str]:
-    from pdrt.bench.runner import BenchOptions
     from pdrt.bench.stats import Slo
+
+    slo = Slo(config.gateway.ttft_slo_s, config.gateway.tpot_slo_s)
+    key = hashlib.sha256(repr((path.read_bytes(), slo, cores, seconds, PREDICTION_WORKLOAD, config.colocated.count,
+                               config.prefill.count, config.decode.count)).encode()).hexdigest()
+    cache = path.with_name(f"{path.stem}.modes.json")
+    known = _read_cache(cache)
+    if key not in known:
+        known[key] = _simulate(config, path, slo, cores, seconds)
+        _write_cache(cache, known)
+    rates = dict(zip(("colocated", "disaggregated"), known[key], strict=True))
+    mode = "colocated" if rates["colocated"] > rates["disaggregated"] else "disaggregated"
+    return mode, (f"predicted goodput at the SLOs ({slo.ttft_s:g} s TTFT, {slo.tpot_s:g} s TPOT, "
+                  f"{PREDICTION_WORKLOAD}): colocated {rates['colocated']:.3g} req/s, disaggregated "
+                  f"{rates['disaggregated']:.3g} req/s (profile {path})")
+
+
+def _simulate(config: "NodeConfig", path: Path, slo, cores: int, seconds: float) -> list[float]:
+    """The planner's predicted goodput of the node's workers colocated and split, in that order."""
+    from pdrt.bench.runner import BenchOptions
     from pdrt.bench.workloads import LengthLimits
     from pdrt.planner.predict import predict
     from pdrt.planner.profile import Profile
     from pdrt.planner.simulator import Deployment
 
     profile = Profile.load(path)
-    slo = Slo(config.gateway.ttft_slo_s, config.gateway.tpot_slo_s)
     options = BenchOptions(workload=PREDICTION_WORKLOAD, duration_s=seconds, seed=0, slo=slo,
                            max_model_len=profile.max_model_len)
     limits = LengthLimits(profile.max_model_len)
     costs, overheads = profile.cost_model(), profile.serving_overheads()
     colocated = config.colocated.count
     split = config.prefill.count + config.decode.count
-    rates = {
-        "colocated": predict(costs, Deployment(colocated=colocated, threads=max(1, cores // colocated)), cores,
-                             options, limits, overheads).goodput.rate,
-        "disaggregated": predict(costs, Deployment(prefill=config.prefill.count, decode=config.decode.count,
-                                                   threads=max(1, cores // split)), cores, options, limits,
-                                 overheads).goodput.rate,
-    }
-    mode = "colocated" if rates["colocated"] > rates["disaggregated"] else "disaggregated"
-    return mode, (f"predicted goodput at the SLOs ({slo.ttft_s:g} s TTFT, {slo.tpot_s:g} s TPOT, "
-                  f"{PREDICTION_WORKLOAD}): colocated {rates['colocated']:.3g} req/s, disaggregated "
-                  f"{rates['disaggregated']:.3g} req/s (profile {path})")
+    deployments = [Deployment(colocated=colocated, threads=max(1, cores // colocated)),
+                   Deployment(prefill=config.prefill.count, decode=config.decode.count,
+                              threads=max(1, cores // split))]
+    return [predict(costs, d, cores, options, limits, overheads).goodput.rate for d in deployments]
+
+
+def _read_cache(cache: Path) -> dict[str, list[float]]:
+    """Predictions made before, by their inputs' digest: a start with the same profile, SLOs and workers reuses
+    one (the simulation takes tens of seconds); an unreadable cache is ignored."""
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_cache(cache: Path, known: dict[str, list[float]]) -> None:
+    kept = dict(list(known.items())[-MAX_CACHED_PREDICTIONS:])
+    try:
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+        partial.write_text(json.dumps(kept))
+        partial.replace(cache)
+    except OSError:  # a read-only cache directory: the next start predicts again
+        pass

@@ -1,5 +1,6 @@
 """`mode = "auto"`: a node's mode chosen from the model's profile on this host, else from the hardware."""
 
+import json
 import re
 
 import pytest
@@ -42,3 +43,20 @@ def test_with_a_profile_the_mode_is_the_one_the_planner_predicts_serves_more(mod
     colocated, split = float(rates["colocated"]), float(rates["disaggregated"])
     if colocated != split:  # the reason shows 3 digits: rates equal there may still differ, either way
         assert mode == ("colocated" if colocated > split else "disaggregated")
+
+
+def test_a_prediction_is_made_once_for_the_same_profile_slos_and_workers(model_dirs, tmp_path):
+    path = measure_profile(str(model_dirs["llama"]), threads=[1, 2], max_context=600, repeats=1).save(
+        tmp_path / "profile.json")
+    cache = tmp_path / "profile.modes.json"
+    config = NodeConfig(model=str(model_dirs["llama"]), mode="colocated")
+    choose_mode(config, path, cores=2, seconds=2.0)
+    assert len(json.loads(cache.read_text())) == 1
+    cache.write_text(json.dumps({k: [2.0, 1.0] for k in json.loads(cache.read_text())}))  # a made-up prediction
+    again = choose_mode(config, path, cores=2, seconds=2.0)
+    assert again[0] == "colocated" and "colocated 2 req/s, disaggregated 1 req/s" in again[1]  # read, not redone
+    config.gateway.tpot_slo_s *= 2  # other SLOs: predicted anew
+    other = choose_mode(config, path, cores=2, seconds=2.0)
+    assert "colocated 2 req/s" not in other[1] and len(json.loads(cache.read_text())) == 2
+    cache.write_text("not json")  # a damaged cache is predicted over
+    assert choose_mode(config, path, cores=2, seconds=2.0) == other

@@ -26,9 +26,10 @@ more expected tokens per second than the step yields without it: with E
 tokens expected from a step of cost C, a token kept with probability p joins
 when p * C > MIN_GAIN * per_row * E. (At break-even a row gains nothing,
 and the prices are estimates from noisy steps: a row must be worth more
-than it costs by a margin, or a misjudged price would make speculation cost.) A sequence none of whose tokens joins verifies
-nothing that step; one left out PROBE_EVERY steps in a row verifies one
-token, so that a stretch of copying is noticed again. Probes are spread
+than it costs by a margin, or a misjudged price would make speculation
+cost.) A sequence none of whose tokens joins verifies nothing that step;
+one left out PROBE_EVERY steps in a row verifies one token, so that a
+stretch of copying is noticed again. Probes are spread
 further apart where a row is dear (a large batch on a CPU, where each costs
 nearly a stream's token), so that together they cost at most
 MAX_PROBE_SHARE of the steps' time.

@@ -61,6 +61,7 @@ from pdrt.control_plane.link import ControllerLink
 from pdrt.engine.llm_engine import LLMEngine
 from pdrt.engine.outputs import RequestOutput
 from pdrt.engine.step_guard import StepGuard
+from pdrt.engine.torch_threads import serial_torch
 from pdrt.errors import (
     KVPoolFullError,
     PdrtError,
@@ -113,7 +114,11 @@ class EngineWorker(Actor):
         self.config = config
         self.process_id = process_id
         engine_config = config.engine_config(self.role)
-        self.engine = LLMEngine(engine_config, kv_allocator=kv_allocator)
+        # Built on the thread that runs its steps, the only one here whose torch ops run in parallel
+        # (pdrt/engine/torch_threads.py).
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
+        self.engine = self.executor.submit(LLMEngine, engine_config, kv_allocator=kv_allocator).result()
+        serial_torch()
         self.step_guard = StepGuard(self.engine.scheduler, config.gateway.tpot_slo_s)
         num_params = self.engine.loaded.num_params
         self.profile = worker_profile(config, self.role, num_params)
@@ -131,7 +136,6 @@ class EngineWorker(Actor):
         self.inbox = Inbox(ctx, config.ephemeral_address(), self._deliver, self.senders, key)
         self.link = ControllerLink(ctx, config.controller_address, process_id, incarnation, self.role,
                                    self.inbox.address, self.load, self._tell, key=key)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
         self.ops: deque[tuple[str, Callable[[], None]]] = deque()
         self.wake = asyncio.Event()
         self.reply_to: dict[str, str] = {}  # request id -> the inbox of the gateway that sent it

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from pdrt.engine.outputs import ImportReservation
+from pdrt.engine.torch_threads import serial_torch
 from pdrt.errors import KVPoolFullError, PdrtError, TransferError
 from pdrt.transport import make_puller
 from pdrt.wire import KVAck, KVHandoff
@@ -43,7 +44,8 @@ class KVImports:
     def __init__(self, worker: "SplitWorker") -> None:
         self.worker = worker
         self.puller = make_puller(worker.engine.pool.tensor, worker.process_id, worker.config.key)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{worker.process_id}-kv-pull")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{worker.process_id}-kv-pull",
+                                           initializer=serial_torch)
         self.importing: dict[str, KVHandoff] = {}  # blocks reserved, transfer running
         self.waiting: deque[KVHandoff] = deque()  # no room in the pool yet
         self.aborted: OrderedDict[str, None] = OrderedDict()  # aborts that may precede or overlap a handoff

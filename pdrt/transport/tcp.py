@@ -36,6 +36,7 @@ import zmq
 
 from pdrt.actors.cluster_key import ClusterKey
 from pdrt.actors.sockets import SocketSpec, bound_address, make_socket
+from pdrt.engine.torch_threads import serial_torch
 from pdrt.errors import ConfigError, TransferError
 from pdrt.transport.base import KVPuller, TransferBackend
 from pdrt.transport.copy import (
@@ -135,6 +136,7 @@ class TcpSource(BookedSource):
     # -- the server thread ------------------------------------------------
 
     def _serve(self, sock: zmq.Socket, pool: torch.Tensor) -> None:
+        serial_torch()  # the worker's engine thread alone runs torch in parallel (pdrt/engine/torch_threads.py)
         try:
             while not self._stop.is_set():
                 if sock.poll(SERVE_POLL_MS):
