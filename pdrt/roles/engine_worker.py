@@ -47,6 +47,7 @@ left without updates for `draft_ttl_s` is dropped with all its blocks.
 """
 
 import asyncio
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable
@@ -117,7 +118,8 @@ class EngineWorker(Actor):
         # Built on the thread that runs its steps, the only one here whose torch ops run in parallel
         # (pdrt/engine/torch_threads.py).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{process_id}-engine")
-        self.engine = self.executor.submit(LLMEngine, engine_config, kv_allocator=kv_allocator).result()
+        self.engine = self.executor.submit(contextvars.copy_context().run, LLMEngine, engine_config,
+                                           kv_allocator=kv_allocator).result()  # its logs name this process
         serial_torch()
         self.step_guard = StepGuard(self.engine.scheduler, config.gateway.tpot_slo_s)
         num_params = self.engine.loaded.num_params
