@@ -3,7 +3,7 @@
 transformers' forward runs some 450 modules a step on a 30-layer model, each
 with its hooks and wrappers, and multiplies every row by the query, key,
 value, gate and up projections one by one. On a small model decoding a few
-sequences on the CPU, that overhead is a third of a step. This forward runs
+sequences on the CPU, that overhead is a large share of a step. This forward runs
 the same arithmetic, in the same order, as flat tensor calls: the query, key
 and value projections become one matrix, as do gate and up (each output
 element is the same dot product, so the numbers do not change), and rotary

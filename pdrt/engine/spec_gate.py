@@ -8,9 +8,9 @@ CPU) each costs nearly as much as a stream's token. Each batch size gets its
 own fit, from its own steps: the cost of a row is not a straight line
 across batch sizes (on a CPU the first rows past a batch cost most, as the
 threads' shares of attention fall out of balance), so one line through
-steps of every size prices a batch-8 row at what it costs at batch 1. A sequence keeps its
-j-th proposed token with a probability of about a**j, where a is its
-acceptance estimate:
+steps of every size prices a large batch's row at what it costs in a small
+one. A sequence keeps its j-th proposed token with a probability of about
+a**j, where a is its acceptance estimate:
 
 * the recent acceptance rate of its proposals (an average over its last
   verifications, starting at PRIOR), and
@@ -29,10 +29,10 @@ and the prices are estimates from noisy steps: a row must be worth more
 than it costs by a margin, or a misjudged price would make speculation
 cost.) A sequence none of whose tokens joins verifies nothing that step;
 one left out PROBE_EVERY steps in a row verifies one token, so that a
-stretch of copying is noticed again. Probes are spread
-further apart where a row is dear (a large batch on a CPU, where each costs
-nearly a stream's token), so that together they cost at most
-MAX_PROBE_SHARE of the steps' time.
+stretch of copying is noticed again. Probes are spread further apart where
+a row is dear (a large batch on a CPU, where each costs nearly a stream's
+token), so that together they cost at most MAX_PROBE_SHARE of the steps'
+time.
 """
 
 import math

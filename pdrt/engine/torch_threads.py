@@ -6,8 +6,7 @@ parallel region gets a team of its own, which lives as long as the thread.
 Between two regions a team's threads spin for a while before they sleep,
 but only while libgomp's threads fit the machine's cores: once a second team
 exists, every team sleeps at once, and each of the several hundred regions
-of a decode step waits for its threads to wake (on two cores, a step takes a
-third longer and the worker leaves a quarter of the CPU idle). So a worker
+of a decode step waits for its threads to wake, while a core idles. So a worker
 builds its engine and runs every step on its engine thread, and any other
 thread that copies tensors (KV transfers, the event loop applying ops)
 calls `serial_torch` first.
