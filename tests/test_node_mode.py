@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -33,30 +34,41 @@ def test_a_node_of_a_cluster_or_of_one_role_keeps_its_workers_split():
     assert NodeConfig(model="/m", mode="colocated").mode_reason == ""  # chosen by the operator: no reason given
 
 
-def test_with_a_profile_the_mode_is_the_one_the_planner_predicts_serves_more(model_dirs, tmp_path):
-    path = measure_profile(str(model_dirs["llama"]), threads=[1, 2], max_context=600, repeats=1).save(
-        tmp_path / "profile.json")
+@pytest.fixture(scope="module")
+def measured_profile(model_dirs, tmp_path_factory):
+    """The tiny model's profile on this host, measured once for the module."""
+    return measure_profile(str(model_dirs["llama"]), threads=[1, 2], max_context=600, repeats=1).save(
+        tmp_path_factory.mktemp("profile") / "measured.json")
+
+
+@pytest.fixture
+def profile(measured_profile, tmp_path):
+    """A copy of it in this test's own directory, so that no test reads another's cached predictions."""
+    path = tmp_path / "profile.json"
+    shutil.copyfile(measured_profile, path)
+    return path
+
+
+def test_with_a_profile_the_mode_is_the_one_the_planner_predicts_serves_more(model_dirs, profile):
     config = NodeConfig(model=str(model_dirs["llama"]), mode="colocated")
-    mode, why = choose_mode(config, path, cores=2, seconds=2.0)  # few requests: the tiny model serves hundreds a s
+    mode, why = choose_mode(config, profile, cores=2, seconds=2.0)  # few requests: the tiny model serves hundreds a s
     rates = dict(re.findall(r"(colocated|disaggregated) ([0-9.e+-]+) req/s", why))
-    assert set(rates) == {"colocated", "disaggregated"} and str(path) in why
+    assert set(rates) == {"colocated", "disaggregated"} and str(profile) in why
     colocated, split = float(rates["colocated"]), float(rates["disaggregated"])
     if colocated != split:  # the reason shows 3 digits: rates equal there may still differ, either way
         assert mode == ("colocated" if colocated > split else "disaggregated")
 
 
-def test_a_prediction_is_made_once_for_the_same_profile_slos_and_workers(model_dirs, tmp_path):
-    path = measure_profile(str(model_dirs["llama"]), threads=[1, 2], max_context=600, repeats=1).save(
-        tmp_path / "profile.json")
-    cache = tmp_path / "profile.modes.json"
+def test_a_prediction_is_made_once_for_the_same_profile_slos_and_workers(model_dirs, profile):
+    cache = profile.with_name("profile.modes.json")
     config = NodeConfig(model=str(model_dirs["llama"]), mode="colocated")
-    choose_mode(config, path, cores=2, seconds=2.0)
+    choose_mode(config, profile, cores=2, seconds=2.0)
     assert len(json.loads(cache.read_text())) == 1
     cache.write_text(json.dumps({k: [2.0, 1.0] for k in json.loads(cache.read_text())}))  # a made-up prediction
-    again = choose_mode(config, path, cores=2, seconds=2.0)
+    again = choose_mode(config, profile, cores=2, seconds=2.0)
     assert again[0] == "colocated" and "colocated 2 req/s, disaggregated 1 req/s" in again[1]  # read, not redone
     config.gateway.tpot_slo_s *= 2  # other SLOs: predicted anew
-    other = choose_mode(config, path, cores=2, seconds=2.0)
+    other = choose_mode(config, profile, cores=2, seconds=2.0)
     assert "colocated 2 req/s" not in other[1] and len(json.loads(cache.read_text())) == 2
     cache.write_text("not json")  # a damaged cache is predicted over
-    assert choose_mode(config, path, cores=2, seconds=2.0) == other
+    assert choose_mode(config, profile, cores=2, seconds=2.0) == other

@@ -78,7 +78,6 @@ class Decoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, inner = model.config, model.model
-        self.config = config
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon

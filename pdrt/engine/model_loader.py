@@ -86,12 +86,11 @@ def load_model(path: str, device: str = "cpu", dtype: str = "auto", attention: s
         raise ModelLoadError(f"cannot load the weights at {path}: {exc}") from exc
     model.to(torch_device).eval()
     num_params = sum(p.numel() for p in model.parameters())
-    decoder = None
-    if attention == ATTENTION_NAME:
-        fuse_projections(model)
+    paged = attention == ATTENTION_NAME
+    if paged:
+        fuse_projections(model)  # before packing, which packs the fused weights
     pack_linears(model)  # float32 on the CPU: oneDNN on weights packed once (pdrt/engine/cpu_linear.py)
-    if attention == ATTENTION_NAME:
-        decoder = Decoder(model)
+    decoder = Decoder(model) if paged else None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **extra)
     except (OSError, ValueError):

@@ -70,10 +70,9 @@ class StepCost:
     forward passes timed at start-up."""
 
     def __init__(self, fixed_s: float, per_row_s: float) -> None:
-        self.prior = (fixed_s, max(per_row_s, 0.0))
+        self.fixed_s, self.per_row_s = fixed_s, max(per_row_s, 0.0)
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=COST_WINDOW)  # (batch, rows, seconds)
         self.num_observed = 0
-        self.fixed_s, self.per_row_s = self.prior
         self.batches: dict[int, tuple[float, float]] = {}  # batch -> (its cost without proposals, per row)
 
     @classmethod
